@@ -1,0 +1,212 @@
+"""Regions, strided views and cache layouts: pure data, no I/O.
+
+A *region* is one contiguous registered buffer. A *view* is a strided family of
+per-block descriptors over one region::
+
+    addr(b) = region.base_addr + view.offset + b * view.stride,  len = view.length,
+    for b in [0, view.count)
+
+A :class:`CacheLayout` is what one TP rank of one engine exposes: its regions, its
+views in descriptor order (all attention views first, then all state views) and
+the model facts a planner needs to pair two layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .errors import LayoutError
+
+__all__ = ["CacheLayout", "Region", "Shard", "TokenLayout", "View", "ViewKind"]
+
+MAX_ADDR = (1 << 64) - 1
+
+
+class TokenLayout(str, Enum):
+    """Order of dims inside one attention block: heads outer (HND) or tokens outer (NHD)."""
+
+    HND = "HND"
+    NHD = "NHD"
+
+
+class ViewKind(str, Enum):
+    """What a view's blocks are: attention kernel blocks or per-logical-block state pages."""
+
+    ATTN = "attn"
+    STATE = "state"
+
+
+class Shard(str, Enum):
+    """How a view's bytes are divided among TP ranks.
+
+    HEADS: a block holds this rank's KV heads, outermost (sliced by head for hetero TP).
+    REPLICATED: every rank holds the same bytes (MLA latent); read from one rank only.
+    SPLIT: evenly sharded by TP rank whatever the head count (Mamba conv / SSM state).
+    """
+
+    HEADS = "heads"
+    REPLICATED = "replicated"
+    SPLIT = "split"
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One contiguous registered buffer: ``num_bytes`` at ``base_addr`` on ``device_id``."""
+
+    base_addr: int
+    num_bytes: int
+    device_id: int = 0
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """A strided family of ``count`` descriptors of ``length`` bytes over region ``region``.
+
+    Block ``b`` starts at ``offset + b * stride`` bytes into the region.
+    """
+
+    region: int
+    offset: int
+    length: int
+    stride: int
+    count: int
+    kind: ViewKind = ViewKind.ATTN
+    shard: Shard = Shard.HEADS
+    name: str = ""
+
+    @property
+    def is_dense(self) -> bool:
+        """True when consecutive blocks touch (``stride == length``) and so can merge."""
+        return self.stride == self.length
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """The KV cache of one TP rank of one engine.
+
+    Attributes:
+        regions: registered buffers, indexed by ``View.region``.
+        views: descriptor order; all ATTN views, then all STATE views.
+        block_size: tokens per logical block.
+        num_kv_heads: total KV heads of the model (all ranks); 1 for MLA.
+        head_dim: elements per head (the latent width for MLA).
+        dtype_bytes: bytes per element.
+        tp_rank, tp_size: this rank and the engine's tensor-parallel size.
+        token_layout: HND or NHD inside attention blocks.
+        ppl: attention kernel blocks per logical block (ATTN view counts are kernel blocks).
+        is_mla: attention views hold a replicated latent (Shard.REPLICATED).
+        is_cross_layer: one view holds every layer of a block (heads are not outermost).
+    """
+
+    regions: tuple[Region, ...]
+    views: tuple[View, ...]
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    token_layout: TokenLayout = TokenLayout.HND
+    ppl: int = 1
+    is_mla: bool = False
+    is_cross_layer: bool = False
+    engine_id: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        self.check_integrity()
+
+    @property
+    def heads_per_rank(self) -> int:
+        """KV heads held by this rank: ``max(1, K // T)`` (GQA replicates when T > K)."""
+        if self.is_mla:
+            return 1
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Tokens per attention kernel block (``block_size // ppl``)."""
+        return self.block_size // self.ppl
+
+    @property
+    def attn_views(self) -> tuple[View, ...]:
+        return tuple(v for v in self.views if v.kind is ViewKind.ATTN)
+
+    @property
+    def state_views(self) -> tuple[View, ...]:
+        return tuple(v for v in self.views if v.kind is ViewKind.STATE)
+
+    @property
+    def num_logical_blocks(self) -> int:
+        """Logical blocks in the pool (from the first view)."""
+        v = self.views[0]
+        return v.count // self.ppl if v.kind is ViewKind.ATTN else v.count
+
+    @property
+    def num_descriptors(self) -> int:
+        """Length of the flat (dense) descriptor list: the sum of view counts."""
+        return sum(v.count for v in self.views)
+
+    def view_addr(self, view_index: int) -> int:
+        """Absolute address of block 0 of view ``view_index``."""
+        v = self.views[view_index]
+        return self.regions[v.region].base_addr + v.offset
+
+    def check_integrity(self) -> None:
+        """Raise LayoutError naming the first field or numbers that disagree."""
+        if not self.regions:
+            raise LayoutError("layout has no regions")
+        if not self.views:
+            raise LayoutError("layout has no views")
+        for name in ("block_size", "num_kv_heads", "head_dim", "dtype_bytes", "tp_size", "ppl"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise LayoutError(f"{name} must be a positive int, got {value!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise LayoutError(f"tp_rank {self.tp_rank} not in [0, tp_size={self.tp_size})")
+        if self.block_size % self.ppl:
+            raise LayoutError(f"block_size {self.block_size} not divisible by ppl {self.ppl}")
+        for i, r in enumerate(self.regions):
+            if r.base_addr <= 0 or r.num_bytes <= 0:
+                raise LayoutError(
+                    f"region {i}: base_addr {r.base_addr} and num_bytes {r.num_bytes} must be > 0"
+                )
+            if r.base_addr + r.num_bytes > MAX_ADDR:
+                raise LayoutError(f"region {i}: ends past 2**64")
+            if r.device_id < 0:
+                raise LayoutError(f"region {i}: device_id {r.device_id} < 0")
+        seen_state = False
+        for i, v in enumerate(self.views):
+            self._check_view(i, v)
+            if v.kind is ViewKind.STATE:
+                seen_state = True
+            elif seen_state:
+                raise LayoutError(f"view {i}: ATTN view after a STATE view (attention first)")
+        counts = {v.count // self.ppl if v.kind is ViewKind.ATTN else v.count for v in self.views}
+        if len(counts) != 1:
+            raise LayoutError(f"views disagree on the number of logical blocks: {sorted(counts)}")
+
+    def _check_view(self, i: int, v: View) -> None:
+        if not 0 <= v.region < len(self.regions):
+            raise LayoutError(f"view {i}: region {v.region} not in [0, {len(self.regions)})")
+        if v.count <= 0:
+            raise LayoutError(f"view {i} ({v.name}): count must be > 0, got {v.count}")
+        if v.length <= 0 or v.offset < 0 or v.stride < 0:
+            raise LayoutError(
+                f"view {i} ({v.name}): length {v.length} > 0, offset {v.offset} >= 0 "
+                f"and stride {v.stride} >= 0 required"
+            )
+        if v.kind is ViewKind.ATTN and v.count % self.ppl:
+            raise LayoutError(f"view {i} ({v.name}): count {v.count} not divisible by ppl")
+        if v.kind is ViewKind.STATE and v.shard is not Shard.SPLIT:
+            raise LayoutError(f"view {i} ({v.name}): STATE views must be Shard.SPLIT")
+        if self.is_mla and v.kind is ViewKind.ATTN and v.shard is not Shard.REPLICATED:
+            raise LayoutError(f"view {i} ({v.name}): MLA attention views must be REPLICATED")
+        end = v.offset + (v.count - 1) * v.stride + v.length
+        size = self.regions[v.region].num_bytes
+        if end > size:
+            raise LayoutError(
+                f"view {i} ({v.name}): last block ends at byte {end}, past region "
+                f"{v.region} of {size} bytes"
+            )
