@@ -48,7 +48,9 @@ class StateSpec:
     def conv_bytes(self, tp_size: int, dtype_bytes: int) -> tuple[int, ...]:
         """Per-rank bytes of each conv sub-projection: ``cols/tp * (kernel-1) * e``."""
         return tuple(
-            exact_div(c, tp_size, f"conv_cols[{j}] over tp_size") * (self.conv_kernel - 1) * dtype_bytes
+            exact_div(c, tp_size, f"conv_cols[{j}] over tp_size")
+            * (self.conv_kernel - 1)
+            * dtype_bytes
             for j, c in enumerate(self.conv_cols)
         )
 
@@ -93,7 +95,9 @@ class LayoutSpec:
     @property
     def kernel_block_bytes(self) -> int:
         """Bytes of one K (or V, or MLA latent) kernel block on this rank."""
-        return (self.block_size // self.ppl) * self.heads_per_rank * self.head_dim * self.dtype_bytes
+        return (
+            (self.block_size // self.ppl) * self.heads_per_rank * self.head_dim * self.dtype_bytes
+        )
 
     @property
     def page_bytes(self) -> int:
@@ -137,13 +141,16 @@ class LayoutSpec:
             return [nk * kb] * self.num_layers
         return [nk * 2 * kb * self.num_layers]  # CROSS_LAYER
 
-    def build(self, base_addrs: Sequence[int], device_id: int = 0, engine_id: str = "") -> CacheLayout:
+    def build(
+        self, base_addrs: Sequence[int], device_id: int = 0, engine_id: str = ""
+    ) -> CacheLayout:
         """Return the layout over regions allocated at ``base_addrs`` (one per region)."""
         sizes = self.region_bytes()
         if len(base_addrs) != len(sizes):
             raise LayoutError(f"expected {len(sizes)} base addresses, got {len(base_addrs)}")
         regions = tuple(
-            Region(int(a), n, device_id, f"r{i}") for i, (a, n) in enumerate(zip(base_addrs, sizes, strict=True))
+            Region(int(a), n, device_id, f"r{i}")
+            for i, (a, n) in enumerate(zip(base_addrs, sizes, strict=True))
         )
         return CacheLayout(
             regions=regions,
@@ -167,11 +174,18 @@ class LayoutSpec:
             return [View(r, 0, kb, kb, nk, name=f"L{r // 2}.{'KV'[r % 2]}") for r in range(2 * L)]
         if self.kind is AttnKind.BLOCKS_FIRST:
             # virtual split: K half at offset 0, V half at kb, both strided by the full block
-            return [View(i, h * kb, kb, 2 * kb, nk, name=f"L{i}.{'KV'[h]}") for i in range(L) for h in (0, 1)]
+            return [
+                View(i, h * kb, kb, 2 * kb, nk, name=f"L{i}.{'KV'[h]}")
+                for i in range(L)
+                for h in (0, 1)
+            ]
         if self.kind is AttnKind.PACKED:
             return [View(i, 0, 2 * kb, 2 * kb, nk, name=f"L{i}.KV") for i in range(L)]
         if self.kind is AttnKind.MLA:
-            return [View(i, 0, kb, kb, nk, shard=Shard.REPLICATED, name=f"L{i}.latent") for i in range(L)]
+            return [
+                View(i, 0, kb, kb, nk, shard=Shard.REPLICATED, name=f"L{i}.latent")
+                for i in range(L)
+            ]
         block = 2 * kb * L
         return [View(0, 0, block, block, nk, name="all_layers")]
 
@@ -186,6 +200,8 @@ class LayoutSpec:
             parts = [*st.conv_bytes(self.tp_size, self.dtype_bytes), st.ssm_bytes // self.tp_size]
             for j, n in enumerate(parts):
                 name = f"S{i}.conv{j}" if j < len(parts) - 1 else f"S{i}.ssm"
-                views.append(View(i, off, n, page, self.num_blocks, ViewKind.STATE, Shard.SPLIT, name))
+                views.append(
+                    View(i, off, n, page, self.num_blocks, ViewKind.STATE, Shard.SPLIT, name)
+                )
                 off += n
         return views

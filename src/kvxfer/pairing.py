@@ -1,0 +1,271 @@
+"""Pair a local layout with a remote engine's layouts: which bytes go where (pure).
+
+:func:`pair_layouts` validates two sides, computes the TP plan and returns, per
+source rank, matched strided rows: local row ``j`` and remote row ``j`` describe the
+same bytes (equal lengths), block by block. Request ids are mapped onto these rows by
+:mod:`kvxfer.plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from ._intmath import exact_div
+from .descriptors import U64, row_starts, strided_rows
+from .errors import IncompatibleError, LayoutError
+from .layout import CacheLayout, Shard, TokenLayout, View, ViewKind
+from .tp import Source, TpPlan, plan_tp
+
+__all__ = ["PeerPlan", "SourcePlan", "pair_layouts"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SourcePlan:
+    """Matched rows for one source rank.
+
+    Attributes:
+        rank: the remote rank.
+        local_rows, remote_rows: ``(R, 5) uint64`` strided rows; row ``j`` of each side
+            moves the same bytes (equal ``len``) for paired blocks.
+        row_view: ``(R,) int64`` local view index of each row.
+        row_sub: ``(R,) int64`` block-size-ratio sub-block ``k`` of each ATTN row (0 for STATE).
+        row_is_state: ``(R,) bool``.
+        local_starts, remote_starts: ``(R + 1,) int64`` flat index of block 0 of each row.
+    """
+
+    rank: int
+    local_rows: U64
+    remote_rows: U64
+    row_view: npt.NDArray[np.int64]
+    row_sub: npt.NDArray[np.int64]
+    row_is_state: npt.NDArray[np.bool_]
+    local_starts: npt.NDArray[np.int64] = field(init=False)
+    remote_starts: npt.NDArray[np.int64] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "local_starts", row_starts(self.local_rows))
+        object.__setattr__(self, "remote_starts", row_starts(self.remote_rows))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.local_rows.shape[0])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PeerPlan:
+    """How one local rank reads a remote engine.
+
+    Attributes:
+        tp: the TP plan.
+        sources: one :class:`SourcePlan` per source rank, in ``tp.sources`` order.
+        kernel_bsr: local kernel block tokens / remote kernel block tokens (>= 1).
+        local_ppl, remote_ppl: kernel blocks per logical block on each side.
+        local_num_blocks, remote_num_blocks: logical blocks in each side's pool.
+    """
+
+    tp: TpPlan
+    sources: tuple[SourcePlan, ...]
+    kernel_bsr: int
+    local_ppl: int
+    remote_ppl: int
+    local_num_blocks: int
+    remote_num_blocks: int
+
+    @property
+    def notify_only(self) -> tuple[int, ...]:
+        return self.tp.notify_only
+
+
+def _check_same(local: CacheLayout, remote: CacheLayout) -> None:
+    for name in ("num_kv_heads", "head_dim", "dtype_bytes", "is_mla", "is_cross_layer"):
+        a, b = getattr(local, name), getattr(remote, name)
+        if a != b:
+            raise IncompatibleError(f"{name} differs: local {a}, remote {b}")
+    if len(local.views) != len(remote.views):
+        raise IncompatibleError(
+            f"view count differs: local {len(local.views)}, remote {len(remote.views)}"
+        )
+    for i, (a, b) in enumerate(zip(local.views, remote.views, strict=True)):
+        if a.kind is not b.kind or a.shard is not b.shard:
+            raise IncompatibleError(
+                f"view {i} differs: local {a.kind.value}/{a.shard.value}, remote {b.kind.value}/{b.shard.value}"
+            )
+
+
+def _piece(
+    src: Source,
+    lv: View,
+    rv: View,
+    local: CacheLayout,
+    remote: CacheLayout,
+    plan: TpPlan,
+    kbsr: int,
+) -> tuple[int, int, int] | None:
+    """``(local_offset, remote_offset, length)`` of one sub-block piece, or None if not read."""
+    where = f"view {lv.name or '?'}"
+    if lv.shard is Shard.SPLIT:
+        if plan.is_fan_out:  # local page holds one slice per source
+            n = exact_div(
+                lv.length, src.num_split_slots, f"{where}: local state bytes over TP ratio"
+            )
+            if rv.length != n:
+                raise IncompatibleError(f"{where}: remote state {rv.length} B != local slice {n} B")
+            return src.split_slot * n, 0, n
+        if rv.length != lv.length * max(1, src.num_split_slots):
+            raise IncompatibleError(
+                f"{where}: remote state {rv.length} B != local {lv.length} B x TP ratio {src.num_split_slots}"
+            )
+        return 0, src.split_slot * lv.length, lv.length
+    sub = exact_div(lv.length, kbsr, f"{where}: local block bytes over block size ratio {kbsr}")
+    if lv.shard is Shard.REPLICATED:
+        if not src.reads_replicated:
+            return None
+        if rv.length != sub:
+            raise IncompatibleError(
+                f"{where}: remote block {rv.length} B != local sub-block {sub} B"
+            )
+        return 0, 0, sub
+    if not src.reads_heads:
+        return None
+    if plan.is_fan_out:
+        n = exact_div(
+            sub, src.num_head_slots, f"{where}: local block bytes over {src.num_head_slots} sources"
+        )
+        if rv.length != n:
+            raise IncompatibleError(f"{where}: remote block {rv.length} B != local piece {n} B")
+        return src.head_slot * n, 0, n
+    unit = exact_div(rv.length, remote.heads_per_rank, f"{where}: remote block bytes over heads")
+    if sub != unit * local.heads_per_rank:
+        raise IncompatibleError(
+            f"{where}: local sub-block {sub} B != {local.heads_per_rank} heads x {unit} B per remote head"
+        )
+    off = src.head_offset * unit
+    if off + sub > rv.length:
+        raise LayoutError(
+            f"{where}: head slice [{off}, {off + sub}) past remote block of {rv.length} B"
+        )
+    return 0, off, sub
+
+
+def _check_sliceable(
+    local: CacheLayout,
+    remote: CacheLayout,
+    lv: View,
+    rv: View,
+    piece: tuple[int, int, int],
+    kbsr: int,
+) -> None:
+    """Head-sliced pieces are contiguous only with heads outermost (HND, not cross-layer)."""
+    if lv.shard is not Shard.HEADS:
+        return
+    sliced = piece[2] * kbsr != lv.length or piece[2] != rv.length
+    if not sliced:
+        return
+    if local.is_cross_layer:
+        raise IncompatibleError(
+            "heterogeneous TP needs per-layer views; cross-layer blocks cannot be head-sliced"
+        )
+    for side, lay in (("local", local), ("remote", remote)):
+        if lay.token_layout is TokenLayout.NHD:
+            raise IncompatibleError(
+                f"{side} layout is NHD: heterogeneous TP head slices are not contiguous "
+                "(use HND, or equal TP sizes)"
+            )
+
+
+def pair_layouts(local: CacheLayout, remotes: Mapping[int, CacheLayout]) -> PeerPlan:
+    """Plan how ``local`` reads the remote engine whose rank layouts are ``remotes``.
+
+    Args:
+        local: this rank's layout.
+        remotes: remote rank -> layout; must hold every source rank of the TP plan.
+
+    Returns:
+        The :class:`PeerPlan` with matched rows per source rank.
+
+    Raises:
+        LayoutError: missing or inconsistent remote records.
+        IncompatibleError: the two sides cannot be paired (named numbers).
+    """
+    if not remotes:
+        raise LayoutError("no remote records")
+    first = next(iter(remotes.values()))
+    for rank, lay in remotes.items():
+        if lay.tp_rank != rank or lay.tp_size != first.tp_size:
+            raise LayoutError(
+                f"remote record for rank {rank} claims rank {lay.tp_rank}/{lay.tp_size}"
+            )
+        _check_same(first, lay)
+    _check_same(local, first)
+    kt_local, kt_remote = local.kernel_block_size, first.kernel_block_size
+    if kt_local % kt_remote:
+        raise IncompatibleError(
+            f"local kernel block of {kt_local} tokens is not a multiple of remote {kt_remote} tokens"
+        )
+    kbsr = kt_local // kt_remote
+    shards = {v.shard for v in local.views}
+    plan = plan_tp(
+        local.tp_rank,
+        local.tp_size,
+        first.tp_size,
+        local.num_kv_heads,
+        has_heads=Shard.HEADS in shards,
+        has_replicated=Shard.REPLICATED in shards,
+        has_split=Shard.SPLIT in shards,
+    )
+    if kbsr > 1 and plan.is_fan_out:
+        raise IncompatibleError(
+            f"block size ratio {kbsr} with fan-out TP ({first.tp_size} -> {local.tp_size})"
+        )
+    if kbsr > 1 and local.state_views:
+        raise IncompatibleError(f"block size ratio {kbsr} with hybrid state views")
+    sources = []
+    for src in plan.sources:
+        if src.rank not in remotes:
+            raise LayoutError(f"no record for remote rank {src.rank} (have {sorted(remotes)})")
+        sources.append(_source_plan(src, local, remotes[src.rank], plan, kbsr))
+    return PeerPlan(
+        plan,
+        tuple(sources),
+        kbsr,
+        local.ppl,
+        first.ppl,
+        local.num_logical_blocks,
+        first.num_logical_blocks,
+    )
+
+
+def _source_plan(
+    src: Source, local: CacheLayout, remote: CacheLayout, plan: TpPlan, kbsr: int
+) -> SourcePlan:
+    cols: list[list[int]] = [[] for _ in range(13)]
+    for i, (lv, rv) in enumerate(zip(local.views, remote.views, strict=True)):
+        piece = _piece(src, lv, rv, local, remote, plan, kbsr)
+        if piece is None:
+            continue
+        _check_sliceable(local, remote, lv, rv, piece, kbsr)
+        l_off, r_off, n = piece
+        subs = range(kbsr) if lv.kind is ViewKind.ATTN else range(1)
+        sub_len = lv.length // kbsr if lv.kind is ViewKind.ATTN else 0
+        for k in subs:
+            row = (
+                local.view_addr(i) + k * sub_len + l_off, n, local.regions[lv.region].device_id, lv.stride, lv.count,
+                remote.view_addr(i) + r_off, n, remote.regions[rv.region].device_id, rv.stride, rv.count,
+                i, k, int(lv.kind is ViewKind.STATE),
+            )  # fmt: skip
+            for c, x in zip(cols, row, strict=True):
+                c.append(x)
+    if not cols[0]:
+        raise LayoutError(f"source rank {src.rank} reads no view")
+    return SourcePlan(
+        src.rank,
+        strided_rows(*cols[0:5]),
+        strided_rows(*cols[5:10]),
+        np.array(cols[10], dtype=np.int64),
+        np.array(cols[11], dtype=np.int64),
+        np.array(cols[12], dtype=np.bool_),
+    )

@@ -1,0 +1,172 @@
+"""A request's transfer plan: block ids -> descriptor indices per source rank (pure).
+
+Given a :class:`~kvxfer.pairing.PeerPlan` and one request's logical block ids on both
+sides, :func:`plan_request` returns, per source rank, equal-length ``int64`` arrays of
+local and remote descriptor indices into the prepared lists built from the
+source's rows. No Python work per descriptor.
+
+Id expansion rules:
+
+- ATTN rows count kernel blocks: logical id ``L`` expands to ``L*ppl .. L*ppl+ppl-1``
+  with the *owning side's* ppl.
+- block size ratio ``kbsr``: local kernel block ``i`` (of the request) receives remote
+  kernel blocks ``i*kbsr + k`` in its sub-block ``k``; the remote list may end inside
+  the last local block (clipped).
+- prefix hit: the first ``num_cached_blocks`` local logical blocks (and the remote
+  kernel blocks that would fill them) are skipped.
+- STATE rows map logical ids one to one (``local_state_ids[i] <-> remote_state_ids[i]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .descriptors import LEN, STRIDE
+from .errors import LayoutError
+from .pairing import PeerPlan, SourcePlan
+
+__all__ = ["RequestPlan", "SourceIds", "expand_ids", "plan_request"]
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SourceIds:
+    """Descriptor indices of one request for one source rank (equal lengths, view-major)."""
+
+    rank: int
+    local_ids: I64
+    remote_ids: I64
+    num_runs: int  # descriptors left after merging runs contiguous on both sides
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.local_ids.size)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestPlan:
+    """Per-source descriptor ids of one request, plus the ranks only to be notified."""
+
+    sources: tuple[SourceIds, ...]
+    notify_only: tuple[int, ...]
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(s.num_descriptors for s in self.sources)
+
+    @property
+    def num_runs(self) -> int:
+        return sum(s.num_runs for s in self.sources)
+
+
+def _as_ids(ids: npt.ArrayLike, num_blocks: int, what: str) -> I64:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise LayoutError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise LayoutError(f"{what} must be integers, got {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            raise LayoutError(f"{what}: block id {bad} out of range [0, {num_blocks})")
+    return arr
+
+
+def expand_ids(logical_ids: I64, ppl: int) -> I64:
+    """Kernel block ids of ``logical_ids``: ``(N,) -> (N * ppl,)``, ``L*ppl + j``."""
+    return (logical_ids[:, None] * ppl + np.arange(ppl, dtype=np.int64)[None, :]).ravel()
+
+
+def _count_runs(src: SourcePlan, rows: I64, local: I64, remote: I64) -> int:
+    """Descriptors after merging neighbours contiguous in memory on both sides."""
+    if local.size == 0:
+        return 0
+    dense = (src.local_rows[:, STRIDE] == src.local_rows[:, LEN]) & (
+        src.remote_rows[:, STRIDE] == src.remote_rows[:, LEN]
+    )
+    joins = (
+        (rows[1:] == rows[:-1]) & (np.diff(local) == 1) & (np.diff(remote) == 1) & dense[rows[1:]]
+    )
+    return int(local.size - np.count_nonzero(joins))
+
+
+def _source_ids(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64, kbsr: int) -> SourceIds:
+    attn = np.flatnonzero(~src.row_is_state)
+    state = np.flatnonzero(src.row_is_state)
+    parts_l, parts_r, parts_row = [], [], []
+    if attn.size and lk.size:
+        # (Ra, N): row j, local kernel position i -> remote position i*kbsr + sub[j]
+        pos = np.arange(lk.size, dtype=np.int64)[None, :] * kbsr + src.row_sub[attn][:, None]
+        keep = pos < rk.size
+        loc = src.local_starts[attn][:, None] + lk[None, :]
+        rem = src.remote_starts[attn][:, None] + rk[np.minimum(pos, rk.size - 1)]
+        parts_l.append(loc[keep])
+        parts_r.append(rem[keep])
+        parts_row.append(np.broadcast_to(attn[:, None], keep.shape)[keep])
+    if state.size and ls.size:
+        parts_l.append((src.local_starts[state][:, None] + ls[None, :]).ravel())
+        parts_r.append((src.remote_starts[state][:, None] + rs[None, :]).ravel())
+        parts_row.append(np.repeat(state, ls.size))
+    if not parts_l:
+        empty = np.zeros(0, dtype=np.int64)
+        return SourceIds(src.rank, empty, empty, 0)
+    local, remote, rows = (np.concatenate(p) for p in (parts_l, parts_r, parts_row))
+    return SourceIds(src.rank, local, remote, _count_runs(src, rows, local, remote))
+
+
+def plan_request(
+    peer: PeerPlan,
+    local_block_ids: npt.ArrayLike,
+    remote_block_ids: npt.ArrayLike,
+    *,
+    local_state_ids: npt.ArrayLike | None = None,
+    remote_state_ids: npt.ArrayLike | None = None,
+    num_cached_blocks: int = 0,
+) -> RequestPlan:
+    """Map one request's logical block ids to descriptor indices for every source rank.
+
+    Args:
+        peer: the pairing of this rank with the remote engine.
+        local_block_ids, remote_block_ids: logical attention block ids on each side.
+        local_state_ids, remote_state_ids: logical state block ids (hybrid models);
+            default to the attention ids.
+        num_cached_blocks: leading local logical blocks already present (prefix hit).
+
+    Raises:
+        LayoutError: ids out of range, not 1-D, or lengths that do not pair.
+    """
+    lids = _as_ids(local_block_ids, peer.local_num_blocks, "local_block_ids")
+    rids = _as_ids(remote_block_ids, peer.remote_num_blocks, "remote_block_ids")
+    if not 0 <= num_cached_blocks <= lids.size:
+        raise LayoutError(f"num_cached_blocks {num_cached_blocks} not in [0, {lids.size}]")
+    lk = expand_ids(lids[num_cached_blocks:], peer.local_ppl)
+    rk = expand_ids(rids, peer.remote_ppl)[num_cached_blocks * peer.local_ppl * peer.kernel_bsr :]
+    kbsr = peer.kernel_bsr
+    # the remote request may end inside the last local logical block
+    if not (lk.size - peer.local_ppl) * kbsr < rk.size <= lk.size * kbsr and (lk.size or rk.size):
+        raise LayoutError(
+            f"{lk.size} local kernel blocks (after {num_cached_blocks} cached) cannot hold "
+            f"{rk.size} remote kernel blocks at block size ratio {kbsr}"
+        )
+    ls = (
+        lids
+        if local_state_ids is None
+        else _as_ids(local_state_ids, peer.local_num_blocks, "local_state_ids")
+    )
+    rs = (
+        rids
+        if remote_state_ids is None
+        else _as_ids(remote_state_ids, peer.remote_num_blocks, "remote_state_ids")
+    )
+    has_state = any(bool(s.row_is_state.any()) for s in peer.sources)
+    if has_state and ls.size != rs.size:
+        raise LayoutError(f"state ids differ in length: local {ls.size}, remote {rs.size}")
+    return RequestPlan(
+        tuple(_source_ids(s, lk, rk, ls, rs, kbsr) for s in peer.sources), peer.notify_only
+    )
