@@ -165,6 +165,11 @@ class CacheLayout:
                 raise LayoutError(f"{name} must be a positive int, got {value!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank {self.tp_rank} not in [0, tp_size={self.tp_size})")
+        big, small = max(self.num_kv_heads, self.tp_size), min(self.num_kv_heads, self.tp_size)
+        if not self.is_mla and big % small:
+            raise LayoutError(
+                f"num_kv_heads {self.num_kv_heads} and tp_size {self.tp_size} must divide each other"
+            )
         if self.block_size % self.ppl:
             raise LayoutError(f"block_size {self.block_size} not divisible by ppl {self.ppl}")
         for i, r in enumerate(self.regions):

@@ -84,7 +84,7 @@ class LayoutSpec:
     state: StateSpec | None = None
 
     def with_rank(self, tp_rank: int, tp_size: int | None = None) -> LayoutSpec:
-        return replace(self, tp_rank=tp_rank, tp_size=tp_size or self.tp_size)
+        return replace(self, tp_rank=tp_rank, tp_size=self.tp_size if tp_size is None else tp_size)
 
     @property
     def heads_per_rank(self) -> int:
@@ -114,6 +114,12 @@ class LayoutSpec:
         exact_div(self.block_size, self.ppl, "block_size over ppl")
         if self.kind is not AttnKind.MLA and self.num_kv_heads > self.tp_size:
             exact_div(self.num_kv_heads, self.tp_size, "num_kv_heads over tp_size")
+        elif self.kind is not AttnKind.MLA:
+            exact_div(
+                self.tp_size, self.num_kv_heads, "tp_size over num_kv_heads (GQA replication)"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise LayoutError(f"tp_rank {self.tp_rank} not in [0, tp_size={self.tp_size})")
         if self.state is not None:
             if self.kind is not AttnKind.BLOCKS_FIRST:
                 raise LayoutError("hybrid pools use AttnKind.BLOCKS_FIRST attention")
