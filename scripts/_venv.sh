@@ -15,4 +15,9 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[dev,bench]"
   echo "$want" > "$stamp"
 fi
+if [ "${KVXFER_WITH_TORCH:-0}" = "1" ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  # the optional extra, CPU build from this machine's wheel cache (a bare `torch` is CUDA)
+  echo "kvxfer: installing the optional CPU torch==2.13.0" >&2
+  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
+fi
 export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,128 @@
+"""Which requests' blocks a producer rank still holds, and when to free them (pure).
+
+A request's blocks are held until every expected consumer has read them, the request
+is aborted, or its lease expires. Consumers still waiting renew leases. Expiry is
+ordered by deadline (a heap with lazy deletion), so a renewed entry never hides
+expired ones behind it. Every request is released exactly once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .errors import LayoutError
+
+__all__ = ["FreeReason", "LeaseTable"]
+
+
+class FreeReason(str, Enum):
+    """Why a request's blocks were released."""
+
+    READ = "read"  # every expected consumer read (or was told about) the request
+    ABORTED = "aborted"  # a consumer aborted, failed or timed out
+    EXPIRED = "expired"  # the lease ran out
+
+
+@dataclass(slots=True)
+class _Entry:
+    num_blocks: int
+    expires_at: float
+    acked: set[int] = field(default_factory=set)
+
+
+class LeaseTable:
+    """Requests held by one producer rank. Times are caller-supplied seconds (monotonic)."""
+
+    def __init__(self, default_lease_s: float = 30.0) -> None:
+        if default_lease_s <= 0:
+            raise LayoutError(f"default_lease_s must be > 0, got {default_lease_s}")
+        self.default_lease_s = default_lease_s
+        self._entries: dict[str, _Entry] = {}
+        self._heap: list[tuple[float, int, str]] = []  # (expires_at, seq, request_id)
+        self._seq = 0
+        self._freed: list[tuple[str, FreeReason]] = []
+        self.num_unknown_acks = 0
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks held by requests not yet released."""
+        return sum(e.num_blocks for e in self._entries.values())
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entries
+
+    def _push(self, request_id: str, expires_at: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (expires_at, self._seq, request_id))
+
+    def hold(
+        self, request_id: str, num_blocks: int, now: float, lease_s: float | None = None
+    ) -> None:
+        """Start holding ``num_blocks`` blocks for ``request_id`` until ``now + lease_s``."""
+        if request_id in self._entries:
+            raise LayoutError(f"request {request_id!r} is already held")
+        if num_blocks < 0:
+            raise LayoutError(f"num_blocks must be >= 0, got {num_blocks}")
+        expires = now + (self.default_lease_s if lease_s is None else lease_s)
+        self._entries[request_id] = _Entry(num_blocks, expires)
+        self._push(request_id, expires)
+
+    def ack(self, request_id: str, consumer_rank: int, expected: int) -> bool:
+        """Record that ``consumer_rank`` read the request; True if this released it.
+
+        Idempotent per consumer rank. Acks for unknown (already released) requests are
+        counted in ``num_unknown_acks`` and ignored.
+        """
+        entry = self._entries.get(request_id)
+        if entry is None:
+            self.num_unknown_acks += 1
+            return False
+        entry.acked.add(consumer_rank)
+        if len(entry.acked) >= max(1, expected):
+            self._release(request_id, FreeReason.READ)
+            return True
+        return False
+
+    def renew(self, request_id: str, now: float, lease_s: float | None = None) -> bool:
+        """Extend a held request's lease to ``now + lease_s``; False if it is not held."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return False
+        entry.expires_at = max(
+            entry.expires_at, now + (self.default_lease_s if lease_s is None else lease_s)
+        )
+        self._push(request_id, entry.expires_at)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Release a request now; False if it was not held (idempotent)."""
+        if request_id not in self._entries:
+            return False
+        self._release(request_id, FreeReason.ABORTED)
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Release every request whose lease ended at or before ``now``; return their ids."""
+        out: list[str] = []
+        while self._heap and self._heap[0][0] <= now:
+            expires_at, _, rid = heapq.heappop(self._heap)
+            entry = self._entries.get(rid)
+            if entry is not None and entry.expires_at == expires_at:  # else a stale heap item
+                self._release(rid, FreeReason.EXPIRED)
+                out.append(rid)
+        return out
+
+    def pop_freed(self) -> list[tuple[str, FreeReason]]:
+        """Requests released since the last call, in release order."""
+        out, self._freed = self._freed, []
+        return out
+
+    def _release(self, request_id: str, reason: FreeReason) -> None:
+        del self._entries[request_id]
+        self._freed.append((request_id, reason))

@@ -1,0 +1,513 @@
+"""NIXL behind one small interface: the only module in kvxfer that imports ``nixl_cu12``.
+
+:class:`NixlBackend` owns one NIXL agent with the UCX backend and DRAM segments. It
+registers memory, exchanges metadata blobs, prepares descriptor lists (strided
+``(N, 5)`` rows or dense ``(N, 3)`` rows), makes, posts and polls transfers and sends
+notifications. Every NIXL exception, ``None`` return and "ERR" state is translated here
+(:func:`_translate`) into the kvxfer error tree; nothing above this module sees NIXL types.
+
+Ownership: prepared lists and transfer handles belong to the backend that made them.
+``release()`` on either is idempotent; :meth:`NixlBackend.remove_remote` releases
+everything prepared against that peer (later use raises :class:`PeerLostError`) and
+:meth:`NixlBackend.close` releases everything.
+
+The agent is built on the bindings directly rather than through ``nixl_agent``: that
+wrapper hard-codes a progress-thread delay of 0, which spins a full core per agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterator, Sequence
+from enum import Enum
+from types import TracebackType
+from typing import Any
+
+import nixl_cu12._bindings as _nixl
+import numpy as np
+
+from .descriptors import COUNT, dense_rows, validate_rows
+from .errors import KvxferError, LayoutError, PeerLostError, ProtocolError, TransferError
+
+__all__ = ["NixlBackend", "PreparedList", "XferHandle", "XferOp", "XferState"]
+
+_INT32_MAX = (1 << 31) - 1  # NIXL takes descriptor indices as int
+_MD_HEADER = b"nixlSerDes|Agent"  # metadata blob: header, u64 LE name length, name
+_NIXL_ERRORS: tuple[type[Exception], ...] = (
+    *(
+        cls
+        for name, cls in vars(_nixl).items()
+        if name.startswith("nixl") and isinstance(cls, type) and issubclass(cls, Exception)
+    ),
+    RuntimeError,  # pybind11's translation of an unmapped C++ exception
+)
+_DEFAULT_MAP: dict[str, type[KvxferError]] = {"nixlRemoteDisconnectError": PeerLostError}
+
+
+class XferOp(str, Enum):
+    """Direction of a transfer, seen from the initiator."""
+
+    READ = "READ"
+    WRITE = "WRITE"
+
+
+class XferState(str, Enum):
+    """State of a posted transfer. Failures are exceptions, never a state."""
+
+    DONE = "DONE"
+    IN_PROGRESS = "IN_PROGRESS"
+
+
+@contextlib.contextmanager
+def _translate(
+    action: str, peer: str | None = None, **special: type[KvxferError]
+) -> Iterator[None]:
+    """Re-raise NIXL failures in the block as kvxfer errors, the original in ``__cause__``.
+
+    Args:
+        action: what was being done, for the message.
+        peer: remote agent involved, named in the message.
+        special: NIXL exception class name -> kvxfer class, overriding the defaults
+            (remote disconnect -> PeerLostError, anything else -> TransferError).
+    """
+    try:
+        yield
+    except _NIXL_ERRORS as exc:
+        kind = type(exc).__name__
+        cls = special.get(kind) or _DEFAULT_MAP.get(kind, TransferError)
+        where = f" with remote agent {peer!r}" if peer else ""
+        raise cls(f"{action}{where} failed: {kind}: {exc}") from exc
+
+
+def _state(status: Any, action: str, peer: str | None) -> XferState:
+    """Map a ``nixl_status_t`` from post/poll to a state; any error status raises."""
+    if status == _nixl.NIXL_SUCCESS:
+        return XferState.DONE
+    if status == _nixl.NIXL_IN_PROG:
+        return XferState.IN_PROGRESS
+    name = getattr(status, "name", str(status))
+    cls = PeerLostError if "DISCONNECT" in name else TransferError
+    raise cls(f"{action} with remote agent {peer!r} returned {name}")
+
+
+def _peek_agent_name(blob: bytes) -> str | None:
+    """The agent name in a NIXL metadata blob's header, or None if it does not parse."""
+    if not blob.startswith(_MD_HEADER) or len(blob) < len(_MD_HEADER) + 8:
+        return None
+    (size,) = struct.unpack_from("<Q", blob, len(_MD_HEADER))
+    start = len(_MD_HEADER) + 8
+    if size > 4096 or start + size > len(blob):
+        return None
+    try:
+        return blob[start : start + size].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _check_ids(ids: Any, size: int, what: str) -> np.ndarray:
+    """Validate descriptor indices and return them as contiguous ``(N,) int32``."""
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1:
+        shape = getattr(ids, "shape", type(ids).__name__)
+        raise LayoutError(f"{what} must be a 1-D integer ndarray, got {shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise LayoutError(f"{what} must have an integer dtype, got {ids.dtype}")
+    if ids.size == 0:
+        raise LayoutError(f"{what} is empty")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= size:
+        raise LayoutError(f"{what} spans [{lo}, {hi}], outside the prepared list [0, {size})")
+    return np.ascontiguousarray(ids, dtype=np.int32)
+
+
+class _Handle:
+    """A NIXL handle owned by one backend; ``_handle`` becomes None once released."""
+
+    __slots__ = ("_handle", "_lost", "_owner", "num_descriptors", "remote_agent")
+    _what = "handle"
+
+    def __init__(self, owner: NixlBackend, handle: int, num: int, remote: str | None) -> None:
+        self._owner = owner
+        self._handle: int | None = handle
+        self._lost = False  # released because its peer was removed or replaced
+        self.num_descriptors = num
+        self.remote_agent = remote
+
+    @property
+    def is_released(self) -> bool:
+        """True once released (explicitly, by ``remove_remote`` or by ``close``)."""
+        return self._handle is None
+
+    def _live(self) -> int:
+        if self._handle is None:
+            if self._lost:
+                raise PeerLostError(
+                    f"{self._what} for {self.remote_agent!r} is stale (peer removed)"
+                )
+            raise LayoutError(f"{self._what} was released")
+        return self._handle
+
+    def _take(self) -> int | None:
+        handle, self._handle = self._handle, None  # never hand a freed id to NIXL again
+        return handle
+
+
+class PreparedList(_Handle):
+    """A descriptor list prepared on one backend; indices into it are flat (view-major).
+
+    Attributes:
+        num_descriptors: descriptors in the list (sum of counts for strided rows).
+        is_strided: True if NIXL ingested ``(N, 5)`` rows, False for dense rows.
+        remote_agent: the agent whose memory it describes; None for local memory.
+    """
+
+    __slots__ = ("is_strided",)
+    _what = "prepared list"
+
+    def __init__(
+        self, owner: NixlBackend, handle: int, num: int, strided: bool, remote: str | None
+    ) -> None:
+        super().__init__(owner, handle, num, remote)
+        self.is_strided = strided
+
+    def release(self) -> None:
+        """Free NIXL's copy of the list. Idempotent; release transfers using it first."""
+        self._owner._release_prepared(self)
+
+
+class XferHandle(_Handle):
+    """A transfer made by :meth:`NixlBackend.make_xfer`; post, poll, then release it.
+
+    Attributes:
+        op: READ or WRITE.
+        remote_agent: the peer on the other side.
+        num_descriptors: descriptors per side.
+    """
+
+    __slots__ = ("op",)
+    _what = "transfer"
+    remote_agent: str
+
+    def __init__(self, owner: NixlBackend, handle: int, op: XferOp, remote: str, num: int) -> None:
+        super().__init__(owner, handle, num, remote)
+        self.op = op
+
+    def release(self) -> None:
+        """Free the request; NIXL cancels it if still in progress. Idempotent."""
+        self._owner.release(self)
+
+
+class NixlBackend:
+    """One NIXL agent (UCX backend, DRAM) behind kvxfer's small transfer interface.
+
+    Not thread-safe unless built with ``thread_safe=True``: like NIXL's wrapper it uses
+    ``NIXL_THREAD_SYNC_NONE`` by default, and posting releases the GIL.
+
+    Args:
+        name: agent name, unique among the agents that talk to each other.
+        progress_thread: run NIXL's progress thread. The target of a READ (or WRITE)
+            must make progress; an initiator that polls may turn it off.
+        progress_delay_us: sleep between progress-thread passes; 0 spins a full core.
+        num_threads: UCX worker threads (0: UCX default).
+        thread_safe: lock the agent for calls from several threads (NIXL_THREAD_SYNC_STRICT).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        progress_thread: bool = True,
+        progress_delay_us: int = 1000,
+        num_threads: int = 0,
+        thread_safe: bool = False,
+    ) -> None:
+        if progress_delay_us < 0 or num_threads < 0:
+            raise LayoutError(f"progress_delay_us {progress_delay_us}, num_threads {num_threads}")
+        cfg = _nixl.nixlAgentConfig()
+        cfg.useProgThread = progress_thread
+        cfg.useListenThread = False
+        cfg.pthrDelay = progress_delay_us
+        sync = _nixl.NIXL_THREAD_SYNC_STRICT if thread_safe else _nixl.NIXL_THREAD_SYNC_NONE
+        cfg.syncMode = sync
+        cfg.captureTelemetry = False
+        init = {"num_threads": str(num_threads)} if num_threads else {}
+        with _translate(f"creating agent {name!r}"):
+            agent = _nixl.nixlAgent(name, cfg)
+            if "UCX" not in agent.getAvailPlugins():
+                raise TransferError("the NIXL UCX plugin is not available")
+            agent.createBackend("UCX", init)
+        self.name = name
+        self._agent: Any = agent
+        self._registered: list[Any] = []  # nixlRegDList per register() call
+        self._remotes: set[str] = set()
+        self._prepared: dict[int, PreparedList] = {}
+        self._xfers: dict[int, XferHandle] = {}
+        self._strided_ok = True  # cleared if this NIXL rejects (N, 5) rows
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def __enter__(self) -> NixlBackend:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release transfers and lists, drop peers, deregister memory, stop the agent.
+
+        Idempotent. Cleanup errors from NIXL are ignored: the agent goes away anyway.
+        """
+        if self._agent is None:
+            return
+        for xfer in list(self._xfers.values()):
+            with contextlib.suppress(KvxferError):
+                self.release(xfer)
+        for plist in list(self._prepared.values()):
+            with contextlib.suppress(KvxferError):
+                plist.release()
+        for name in list(self._remotes):
+            with contextlib.suppress(KvxferError):
+                self.remove_remote(name)
+        for dlist in self._registered:
+            with contextlib.suppress(*_NIXL_ERRORS):
+                self._agent.deregisterMem(dlist, [])
+        self._registered.clear()
+        self._agent = None  # the binding's destructor joins the progress thread
+
+    def _live(self) -> Any:
+        if self._agent is None:
+            raise TransferError(f"backend {self.name!r} is closed")
+        return self._agent
+
+    # -- memory and peers ----------------------------------------------------------
+
+    def register(self, regions: Sequence[tuple[int, int, int]]) -> None:
+        """Register DRAM regions with UCX; call before :meth:`metadata`.
+
+        Args:
+            regions: ``(addr, nbytes, device)`` per contiguous buffer. The caller keeps
+                the memory alive until :meth:`close`, which deregisters it.
+        """
+        agent = self._live()
+        if not regions:
+            raise LayoutError("no regions to register")
+        for i, (addr, nbytes, dev) in enumerate(regions):
+            if addr <= 0 or nbytes <= 0 or dev < 0:
+                raise LayoutError(f"region {i}: addr {addr}, nbytes {nbytes}, device {dev}")
+        dlist = _nixl.nixlRegDList(_nixl.DRAM_SEG, [(a, n, d, "") for a, n, d in regions])
+        with _translate("register_memory"):
+            agent.registerMem(dlist, [])
+        self._registered.append(dlist)
+
+    def metadata(self) -> bytes:
+        """This agent's metadata blob (connection info and registered memory).
+
+        Returns:
+            Opaque bytes for the peer's :meth:`add_remote`.
+        """
+        with _translate("get_local_metadata"):
+            return bytes(self._live().getLocalMD())
+
+    def add_remote(self, blob: bytes) -> str:
+        """Load a peer's metadata blob; a known name is removed first (restarted peer).
+
+        Args:
+            blob: the peer's :meth:`metadata` bytes, from the side channel.
+
+        Returns:
+            The remote agent's name.
+        """
+        agent = self._live()
+        if not isinstance(blob, bytes) or not blob:
+            raise ProtocolError("agent metadata must be non-empty bytes")
+        known = _peek_agent_name(blob)
+        if known is not None and known in self._remotes:
+            self.remove_remote(known)
+        with _translate("add_remote_agent", known, nixlMismatchError=ProtocolError):
+            raw = agent.loadRemoteMD(blob)
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        """Forget a peer: cancel its transfers, release its lists, disconnect. Idempotent.
+
+        Args:
+            name: remote agent name returned by :meth:`add_remote`.
+        """
+        agent = self._live()
+        for xfer in [x for x in self._xfers.values() if x.remote_agent == name]:
+            with contextlib.suppress(KvxferError):
+                self.release(xfer)
+            xfer._lost = True
+        for plist in [p for p in self._prepared.values() if p.remote_agent == name]:
+            plist.release()
+            plist._lost = True
+        if name in self._remotes:
+            self._remotes.discard(name)
+            with _translate("remove_remote_agent", name):
+                agent.invalidateRemoteMD(name)
+
+    # -- descriptor lists ----------------------------------------------------------
+
+    def prepare(
+        self, rows: np.ndarray, remote_agent: str | None = None, *, strided: bool = True
+    ) -> PreparedList:
+        """Prepare a descriptor list for :meth:`make_xfer`.
+
+        Args:
+            rows: ``(N, 5) uint64`` ``addr, len, dev, stride, count`` strided rows, or
+                ``(N, 3) uint64`` ``addr, len, dev`` dense rows; C-contiguous, N > 0.
+            remote_agent: peer whose memory the rows describe; None for local memory;
+                this agent's own name for a loopback target.
+            strided: hand ``(N, 5)`` rows to NIXL as they are; False expands them to dense
+                rows first (done anyway if this NIXL does not accept strided rows).
+
+        Returns:
+            The prepared list; indices into it are flat, view-major and block-minor.
+        """
+        agent = self._live()
+        if not isinstance(rows, np.ndarray) or rows.ndim != 2 or rows.shape[1] not in (3, 5):
+            shape = getattr(rows, "shape", type(rows).__name__)
+            raise LayoutError(f"descriptor rows must have shape (N, 5) or (N, 3), got {shape}")
+        width = rows.shape[1]
+        rows = validate_rows(rows, width)  # dtype, contiguity, no zero len / count
+        num = int(rows[:, COUNT].sum()) if width == 5 else rows.shape[0]
+        if num > _INT32_MAX:
+            raise LayoutError(f"{num} descriptors exceed NIXL's int32 indices")
+        if remote_agent is not None and remote_agent not in self._remotes | {self.name}:
+            raise TransferError(f"unknown remote agent {remote_agent!r}: add_remote it first")
+        target = _nixl.NIXL_INIT_AGENT if remote_agent is None else remote_agent
+        action = f"prepare (are the descriptors inside memory registered by {remote_agent or self.name!r}?)"
+        handle: int | None = None
+        if width == 5 and strided and self._strided_ok:
+            try:
+                with _translate(action):
+                    handle = agent.prepXferDlist(target, _nixl.DRAM_SEG, rows, [])
+            except TypeError:  # this NIXL has no (N, 5) overload: expand below
+                self._strided_ok = False
+        is_strided = handle is not None
+        if handle is None:
+            dense = dense_rows(rows) if width == 5 else rows  # (num, 3) uint64
+            dlist = _nixl.nixlXferDList(_nixl.DRAM_SEG, dense)
+            with _translate(action):
+                handle = agent.prepXferDlist(target, dlist, [])
+        plist = PreparedList(self, int(handle), num, is_strided, remote_agent)
+        self._prepared[int(handle)] = plist
+        return plist
+
+    def _release_prepared(self, plist: PreparedList) -> None:
+        handle = plist._take()
+        if handle is None:
+            return
+        self._prepared.pop(handle, None)
+        with _translate("release_dlist_handle", plist.remote_agent):
+            self._live().releasedDlistH(handle)
+
+    # -- transfers -----------------------------------------------------------------
+
+    def make_xfer(
+        self,
+        op: XferOp,
+        local: PreparedList,
+        local_ids: np.ndarray,
+        remote: PreparedList,
+        remote_ids: np.ndarray,
+        notif: bytes = b"",
+    ) -> XferHandle:
+        """Build a transfer between descriptors of two prepared lists.
+
+        Args:
+            op: READ copies remote -> local, WRITE local -> remote.
+            local: list prepared with ``remote_agent=None``.
+            local_ids: ``(N,)`` integer indices into ``local``.
+            remote: list prepared for the peer (or this agent, for loopback).
+            remote_ids: ``(N,)`` integer indices into ``remote``, paired with ``local_ids``.
+            notif: message delivered to the peer once the transfer completes; b"" for none.
+
+        Returns:
+            A handle to :meth:`post`, :meth:`poll` and :meth:`release`.
+        """
+        agent = self._live()
+        op = XferOp(op)
+        if local.remote_agent is not None or remote.remote_agent is None:
+            raise LayoutError("make_xfer needs a local list first, then a remote list")
+        lhandle, rhandle = local._live(), remote._live()
+        lids = _check_ids(local_ids, local.num_descriptors, "local_ids")
+        rids = _check_ids(remote_ids, remote.num_descriptors, "remote_ids")
+        if lids.size != rids.size:
+            raise LayoutError(f"local_ids has {lids.size} ids, remote_ids {rids.size}")
+        code = _nixl.NIXL_READ if op is XferOp.READ else _nixl.NIXL_WRITE
+        with _translate(f"make {op.value}", remote.remote_agent):
+            raw = agent.makeXferReq(code, lhandle, lids, rhandle, rids, notif, [], False)
+        xfer = XferHandle(self, int(raw), op, remote.remote_agent, int(lids.size))
+        self._xfers[xfer._live()] = xfer
+        return xfer
+
+    def post(self, xfer: XferHandle) -> XferState:
+        """Start a transfer (small ones may finish inside the call).
+
+        Args:
+            xfer: a handle from :meth:`make_xfer`, not in progress.
+
+        Returns:
+            DONE or IN_PROGRESS; a failure raises TransferError / PeerLostError.
+        """
+        with _translate(f"post {xfer.op.value}", xfer.remote_agent):
+            status = self._live().postXferReq(xfer._live(), "")
+        return _state(status, f"post {xfer.op.value}", xfer.remote_agent)
+
+    def poll(self, xfer: XferHandle) -> XferState:
+        """Check a posted transfer. NIXL has no deadline: the caller keeps one.
+
+        Args:
+            xfer: a posted handle.
+
+        Returns:
+            DONE or IN_PROGRESS; a failure raises TransferError / PeerLostError.
+        """
+        with _translate(f"poll {xfer.op.value}", xfer.remote_agent):
+            status = self._live().getXferStatus(xfer._live())
+        return _state(status, f"poll {xfer.op.value}", xfer.remote_agent)
+
+    def release(self, xfer: XferHandle) -> None:
+        """Free a transfer request; NIXL cancels one still in progress. Idempotent.
+
+        Args:
+            xfer: a handle from :meth:`make_xfer`; unusable afterwards.
+        """
+        handle = xfer._take()
+        if handle is None:
+            return
+        self._xfers.pop(handle, None)
+        with _translate("release_xfer_handle", xfer.remote_agent):
+            self._live().releaseXferReq(handle)
+
+    # -- notifications -------------------------------------------------------------
+
+    def send_notif(self, remote_agent: str, msg: bytes) -> None:
+        """Send a notification not tied to a transfer.
+
+        Args:
+            remote_agent: a peer added with :meth:`add_remote`.
+            msg: payload, delivered as bytes, in order per peer.
+        """
+        with _translate("send_notif", remote_agent):
+            status = self._live().genNotif(remote_agent, msg)
+        if status != _nixl.NIXL_SUCCESS:
+            raise TransferError(f"send_notif to {remote_agent!r} returned {status}")
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Take the notifications that arrived since the last call.
+
+        Returns:
+            Remote agent name -> messages in arrival order (peers without any are absent).
+        """
+        with _translate("get_notifs"):
+            notifs = self._live().getNotifs({}, [])
+        return {str(name): [bytes(m) for m in msgs] for name, msgs in notifs.items()}

@@ -1,0 +1,178 @@
+"""The producer (prefill) side: registers its cache, serves records, frees read blocks."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from .engine import U8, EngineConfig, RankCache, new_generation
+from .errors import KvxferError, LayoutError
+from .leases import FreeReason, LeaseTable
+from .schema import (
+    Abort,
+    Failed,
+    Heartbeat,
+    LeaseRenew,
+    ReadDone,
+    decode_msg,
+    encode_record,
+    record_from_layout,
+)
+from .side_channel import SideChannelServer
+from .spec import LayoutSpec
+
+__all__ = ["Producer"]
+
+log = logging.getLogger(__name__)
+
+
+class Producer:
+    """A producer engine hosting ``len(ranks)`` TP ranks in this process.
+
+    Args:
+        config: engine settings (``side_channel_addr`` is bound here).
+        ranks: per TP rank, its spec and its region buffers (which must outlive this).
+
+    Blocks of a request are held from :meth:`hold` until every expected consumer has
+    read them (a ``ReadDone`` notification per consumer rank), a consumer aborts, or
+    the lease expires; :meth:`pop_freed` reports released requests.
+    """
+
+    def __init__(
+        self, config: EngineConfig, ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]]
+    ) -> None:
+        if not ranks:
+            raise LayoutError("a producer needs at least one rank")
+        self.config = config
+        self.generation = new_generation()
+        self.compat_hash = config.compat_hash(ranks[0][0])
+        self._tp_size = ranks[0][0].tp_size
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.ranks: list[RankCache] = []
+        try:
+            for spec, bufs in ranks:
+                name = f"{config.engine_id}-p{spec.tp_rank}-{self.generation:x}"
+                self.ranks.append(RankCache(spec, bufs, name, config))
+            self._tables = {r.rank: LeaseTable(config.lease_s) for r in self.ranks}
+            self._pending_free: dict[str, set[int]] = {}
+            self._freed: list[tuple[str, FreeReason]] = []
+            self.num_rejected = 0
+            records = {
+                r.rank: encode_record(
+                    record_from_layout(
+                        r.layout,
+                        agent_name=r.backend.name,
+                        agent_metadata=r.backend.metadata(),
+                        generation=self.generation,
+                    ),
+                    self.compat_hash,
+                )
+                for r in self.ranks
+            }
+            self.server = SideChannelServer(config.side_channel_addr, records).start()
+        except BaseException:
+            self.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="kvxfer-producer", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """The side-channel endpoint consumers connect to."""
+        return self.server.address
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks held across all ranks (each rank holds its own copy of a request's blocks)."""
+        with self._lock:
+            return sum(t.held_blocks for t in self._tables.values())
+
+    def hold(self, request_id: str, num_blocks: int, lease_s: float | None = None) -> None:
+        """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired."""
+        now = time.monotonic()
+        with self._lock:
+            for t in self._tables.values():
+                t.hold(request_id, num_blocks, now, lease_s)
+            self._pending_free[request_id] = set()
+
+    def pop_freed(self) -> list[tuple[str, FreeReason]]:
+        """Requests released on every rank since the last call: the caller frees their blocks."""
+        with self._lock:
+            out, self._freed = self._freed, []
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.0005):
+            for r in self.ranks:
+                try:
+                    notifs = r.backend.get_notifs()
+                except KvxferError as e:
+                    log.warning("rank %d: notifications failed: %s", r.rank, e)
+                    continue
+                for msgs in notifs.values():
+                    for raw in msgs:
+                        self._on_msg(r.rank, raw)
+            with self._lock:
+                now = time.monotonic()
+                for t in self._tables.values():
+                    t.expire(now)
+                self._collect()
+
+    def _on_msg(self, rank: int, raw: bytes) -> None:
+        try:
+            msg = decode_msg(raw)
+        except KvxferError as e:
+            self.num_rejected += 1
+            log.warning("rank %d: rejected notification: %s", rank, e)
+            return
+        if getattr(msg, "generation", self.generation) != self.generation:
+            self.num_rejected += 1
+            log.info("rank %d: notification for old generation dropped", rank)
+            return
+        table, now = self._tables[rank], time.monotonic()
+        with self._lock:
+            if isinstance(msg, ReadDone):
+                table.ack(
+                    msg.request_id, msg.consumer_rank, max(1, msg.consumer_size // self._tp_size)
+                )
+            elif isinstance(msg, Abort | Failed):
+                table.abort(msg.request_id)
+            elif isinstance(msg, LeaseRenew):
+                for rid in msg.request_ids:
+                    table.renew(rid, now)
+            elif not isinstance(msg, Heartbeat):
+                self.num_rejected += 1
+
+    def _collect(self) -> None:
+        """Move requests released on every rank to the freed list (lock held)."""
+        for rank, t in self._tables.items():
+            for rid, reason in t.pop_freed():
+                seen = self._pending_free.get(rid)
+                if seen is None:
+                    continue
+                seen.add(rank)
+                if len(seen) == len(self._tables):
+                    del self._pending_free[rid]
+                    self._freed.append((rid, reason))
+
+    def close(self) -> None:
+        """Stop serving, release agents and deregister memory. Idempotent."""
+        self._stop.set()
+        t = getattr(self, "_thread", None)
+        if t is not None:
+            t.join()
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
+        for r in self.ranks:
+            r.close()
+        self.ranks = []
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
