@@ -202,6 +202,10 @@ class CacheLayout:
                 f"view {i} ({v.name}): length {v.length} > 0, offset {v.offset} >= 0 "
                 f"and stride {v.stride} >= 0 required"
             )
+        if v.count > 1 and v.stride < v.length:
+            raise LayoutError(
+                f"view {i} ({v.name}): stride {v.stride} < length {v.length}: blocks would overlap"
+            )
         if v.kind is ViewKind.ATTN and v.count % self.ppl:
             raise LayoutError(f"view {i} ({v.name}): count {v.count} not divisible by ppl")
         if v.kind is ViewKind.STATE and v.shard is not Shard.SPLIT:

@@ -1,18 +1,14 @@
 """NIXL behind one small interface: the only module in kvxfer that imports ``nixl_cu12``.
 
-:class:`NixlBackend` owns one NIXL agent with the UCX backend and DRAM segments. It
-registers memory, exchanges metadata blobs, prepares descriptor lists (strided
-``(N, 5)`` rows or dense ``(N, 3)`` rows), makes, posts and polls transfers and sends
-notifications. Every NIXL exception, ``None`` return and "ERR" state is translated here
-(:func:`_translate`) into the kvxfer error tree; nothing above this module sees NIXL types.
+:class:`NixlBackend` owns one NIXL agent (UCX backend, DRAM): register memory, exchange
+metadata, prepare descriptor lists, make / post / poll transfers, notify. Every NIXL
+exception and error status becomes a kvxfer error here (:func:`_translate`).
 
-Ownership: prepared lists and transfer handles belong to the backend that made them.
-``release()`` on either is idempotent; :meth:`NixlBackend.remove_remote` releases
-everything prepared against that peer (later use raises :class:`PeerLostError`) and
-:meth:`NixlBackend.close` releases everything.
-
-The agent is built on the bindings directly rather than through ``nixl_agent``: that
-wrapper hard-codes a progress-thread delay of 0, which spins a full core per agent.
+Ownership: prepared lists and transfer handles belong to the backend that made them;
+``release()`` is idempotent; ``remove_remote`` releases everything made for that peer
+(later use raises PeerLostError); ``close`` releases everything. The agent is built on
+the bindings, not ``nixl_agent``: that wrapper hard-codes a progress-thread delay of 0,
+which spins a full core per agent.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import contextlib
 import struct
 from collections.abc import Iterator, Sequence
 from enum import Enum
-from types import TracebackType
 from typing import Any
 
 import nixl_cu12._bindings as _nixl
@@ -65,18 +60,16 @@ def _translate(
 ) -> Iterator[None]:
     """Re-raise NIXL failures in the block as kvxfer errors, the original in ``__cause__``.
 
-    Args:
-        action: what was being done, for the message.
-        peer: remote agent involved, named in the message.
-        special: NIXL exception class name -> kvxfer class, overriding the defaults
-            (remote disconnect -> PeerLostError, anything else -> TransferError).
+    ``special`` maps a NIXL exception class name to the kvxfer class to raise; otherwise
+    a remote disconnect is PeerLostError and anything else TransferError. ``peer`` (an
+    agent name) goes into the message.
     """
     try:
         yield
     except _NIXL_ERRORS as exc:
         kind = type(exc).__name__
         cls = special.get(kind) or _DEFAULT_MAP.get(kind, TransferError)
-        where = f" with remote agent {peer!r}" if peer else ""
+        where = f" (agent {peer!r})" if peer else ""
         raise cls(f"{action}{where} failed: {kind}: {exc}") from exc
 
 
@@ -88,7 +81,7 @@ def _state(status: Any, action: str, peer: str | None) -> XferState:
         return XferState.IN_PROGRESS
     name = getattr(status, "name", str(status))
     cls = PeerLostError if "DISCONNECT" in name else TransferError
-    raise cls(f"{action} with remote agent {peer!r} returned {name}")
+    raise cls(f"{action} (agent {peer!r}) returned {name}")
 
 
 def _peek_agent_name(blob: bytes) -> str | None:
@@ -223,11 +216,11 @@ class NixlBackend:
     ) -> None:
         if progress_delay_us < 0 or num_threads < 0:
             raise LayoutError(f"progress_delay_us {progress_delay_us}, num_threads {num_threads}")
+        sync = _nixl.NIXL_THREAD_SYNC_STRICT if thread_safe else _nixl.NIXL_THREAD_SYNC_NONE
         cfg = _nixl.nixlAgentConfig()
         cfg.useProgThread = progress_thread
         cfg.useListenThread = False
         cfg.pthrDelay = progress_delay_us
-        sync = _nixl.NIXL_THREAD_SYNC_STRICT if thread_safe else _nixl.NIXL_THREAD_SYNC_NONE
         cfg.syncMode = sync
         cfg.captureTelemetry = False
         init = {"num_threads": str(num_threads)} if num_threads else {}
@@ -244,17 +237,10 @@ class NixlBackend:
         self._xfers: dict[int, XferHandle] = {}
         self._strided_ok = True  # cleared if this NIXL rejects (N, 5) rows
 
-    # -- lifecycle -----------------------------------------------------------------
-
     def __enter__(self) -> NixlBackend:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -283,8 +269,6 @@ class NixlBackend:
         if self._agent is None:
             raise TransferError(f"backend {self.name!r} is closed")
         return self._agent
-
-    # -- memory and peers ----------------------------------------------------------
 
     def register(self, regions: Sequence[tuple[int, int, int]]) -> None:
         """Register DRAM regions with UCX; call before :meth:`metadata`.
@@ -346,14 +330,13 @@ class NixlBackend:
                 self.release(xfer)
             xfer._lost = True
         for plist in [p for p in self._prepared.values() if p.remote_agent == name]:
-            plist.release()
+            with contextlib.suppress(KvxferError):
+                plist.release()
             plist._lost = True
         if name in self._remotes:
             self._remotes.discard(name)
             with _translate("remove_remote_agent", name):
                 agent.invalidateRemoteMD(name)
-
-    # -- descriptor lists ----------------------------------------------------------
 
     def prepare(
         self, rows: np.ndarray, remote_agent: str | None = None, *, strided: bool = True
@@ -383,11 +366,11 @@ class NixlBackend:
         if remote_agent is not None and remote_agent not in self._remotes | {self.name}:
             raise TransferError(f"unknown remote agent {remote_agent!r}: add_remote it first")
         target = _nixl.NIXL_INIT_AGENT if remote_agent is None else remote_agent
-        action = f"prepare (are the descriptors inside memory registered by {remote_agent or self.name!r}?)"
+        action, peer = "prepare (descriptors inside registered memory?)", remote_agent or self.name
         handle: int | None = None
         if width == 5 and strided and self._strided_ok:
             try:
-                with _translate(action):
+                with _translate(action, peer):
                     handle = agent.prepXferDlist(target, _nixl.DRAM_SEG, rows, [])
             except TypeError:  # this NIXL has no (N, 5) overload: expand below
                 self._strided_ok = False
@@ -395,7 +378,7 @@ class NixlBackend:
         if handle is None:
             dense = dense_rows(rows) if width == 5 else rows  # (num, 3) uint64
             dlist = _nixl.nixlXferDList(_nixl.DRAM_SEG, dense)
-            with _translate(action):
+            with _translate(action, peer):
                 handle = agent.prepXferDlist(target, dlist, [])
         plist = PreparedList(self, int(handle), num, is_strided, remote_agent)
         self._prepared[int(handle)] = plist
@@ -408,8 +391,6 @@ class NixlBackend:
         self._prepared.pop(handle, None)
         with _translate("release_dlist_handle", plist.remote_agent):
             self._live().releasedDlistH(handle)
-
-    # -- transfers -----------------------------------------------------------------
 
     def make_xfer(
         self,
@@ -488,8 +469,6 @@ class NixlBackend:
         with _translate("release_xfer_handle", xfer.remote_agent):
             self._live().releaseXferReq(handle)
 
-    # -- notifications -------------------------------------------------------------
-
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         """Send a notification not tied to a transfer.
 
@@ -510,4 +489,4 @@ class NixlBackend:
         """
         with _translate("get_notifs"):
             notifs = self._live().getNotifs({}, [])
-        return {str(name): [bytes(m) for m in msgs] for name, msgs in notifs.items()}
+        return {str(name): list(msgs) for name, msgs in notifs.items()}

@@ -1,0 +1,256 @@
+"""``kvxfer demo``: a producer and a consumer process move KV blocks and verify every byte.
+
+The parent is the "router": it draws each request's block ids on both sides (seeded),
+tells the producer to hold them, and hands the stream to the consumer. The producer
+fills its cache with a pattern encoding (layer, block, head, token, byte); the
+consumer reads every request over NIXL and checks every byte it received.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from .engine import EngineConfig, RequestState, allocate_cache
+from .pattern import fill, mismatches
+from .presets import spec_for
+from .spec import LayoutSpec
+
+__all__ = ["DemoOptions", "run_demo"]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What the demo moves. Block ids are drawn from pools of ``num_blocks`` blocks."""
+
+    preset: str = "tiny-gqa"
+    producer_tp: int = 1
+    consumer_tp: int = 2
+    producer_block_size: int | None = None
+    consumer_block_size: int | None = None
+    num_blocks: int = 256
+    num_requests: int = 64
+    blocks_per_request: int = 8
+    inflight: int = 4
+    seed: int = 0
+    strided: bool = True
+    deadline_s: float = 30.0
+    timeout_s: float = 120.0
+
+    def spec(self, side: str, rank: int = 0) -> LayoutSpec:
+        tp = self.producer_tp if side == "p" else self.consumer_tp
+        bs = self.producer_block_size if side == "p" else self.consumer_block_size
+        nb = self.num_blocks if side == "p" else self.num_blocks * self.bsr
+        return spec_for(self.preset, tp_rank=rank, tp_size=tp, num_blocks=nb, block_size=bs)
+
+    @property
+    def bsr(self) -> int:
+        p = self.producer_block_size or 0
+        c = self.consumer_block_size or 0
+        return c // p if p and c and c > p else 1
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.spec("p").state is not None
+
+
+def _requests(o: DemoOptions) -> list[dict[str, Any]]:
+    """Seeded remote block ids: hybrids keep attention in the low half, state in the high half.
+
+    Local ids are drawn later by the consumer from its free blocks (like an allocator):
+    requests in flight at once never share a local block.
+    """
+    rng = np.random.default_rng(o.seed)
+    p_nb = o.spec("p").num_blocks
+    half_p = p_nb // 2 if o.is_hybrid else p_nb
+    out = []
+    for i in range(o.num_requests):
+        r: dict[str, Any] = {
+            "request_id": f"req-{i}",
+            "remote_block_ids": rng.choice(half_p, o.blocks_per_request, replace=False),
+        }
+        if o.is_hybrid:
+            r["remote_state_ids"] = half_p + rng.choice(p_nb - half_p, 1, replace=False)
+        out.append(r)
+    return out
+
+
+class _FreeBlocks:
+    """A seeded allocator over the consumer's pool (attention low half / state high half)."""
+
+    def __init__(self, o: DemoOptions) -> None:
+        nb = o.spec("d").num_blocks
+        half = nb // 2 if o.is_hybrid else nb
+        self.rng = np.random.default_rng(o.seed + 1)
+        self.attn, self.state = set(range(half)), set(range(half, nb))
+        self.n_local = -(-o.blocks_per_request // o.bsr)
+        self.is_hybrid = o.is_hybrid
+
+    def can_allocate(self) -> bool:
+        return len(self.attn) >= self.n_local and (not self.is_hybrid or bool(self.state))
+
+    def allocate(self, r: dict[str, Any]) -> dict[str, Any]:
+        ids = self.rng.choice(sorted(self.attn), self.n_local, replace=False)
+        self.attn -= set(ids.tolist())
+        r = {**r, "local_block_ids": ids}
+        if self.is_hybrid:
+            sid = self.rng.choice(sorted(self.state), 1)
+            self.state -= set(sid.tolist())
+            r["local_state_ids"] = sid
+        return r
+
+    def free(self, r: dict[str, Any]) -> None:
+        self.attn |= set(r["local_block_ids"].tolist())
+        if "local_state_ids" in r:
+            self.state |= set(r["local_state_ids"].tolist())
+
+
+def _producer_main(o: DemoOptions, conn: Connection) -> None:
+    from .producer import Producer
+
+    ranks = []
+    for p in range(o.producer_tp):
+        spec = o.spec("p", p)
+        bufs = allocate_cache(spec)
+        nb = spec.num_blocks
+        fill(spec, bufs, np.arange(nb // 2, nb) if spec.state is not None else None)
+        ranks.append((spec, bufs))
+    with Producer(EngineConfig("demo-p", model_name=o.preset, strided=o.strided), ranks) as prod:
+        conn.send(("address", prod.address))
+        freed = 0
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "hold":
+                for rid, n in cmd[1]:
+                    prod.hold(rid, n)
+            elif cmd[0] == "stop":
+                deadline = time.monotonic() + 5
+                while prod.held_blocks and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                freed += len(prod.pop_freed())
+                conn.send(("stats", {"freed": freed, "held_blocks": prod.held_blocks}))
+                return
+
+
+def _consumer_main(
+    o: DemoOptions, address: str, reqs: list[dict[str, Any]], conn: Connection
+) -> None:
+    from .consumer import Consumer
+
+    ranks = [(o.spec("d", d), allocate_cache(o.spec("d", d))) for d in range(o.consumer_tp)]
+    remote = o.spec("p")
+    cfg = EngineConfig("demo-d", model_name=o.preset, strided=o.strided, deadline_s=o.deadline_s)
+    with Consumer(cfg, ranks) as cons:
+        pending: list[tuple[dict[str, Any], Any]] = []
+        todo = list(reqs)
+        pool = _FreeBlocks(o)
+        t0 = time.perf_counter()
+        while todo or pending:
+            while todo and len(pending) < o.inflight and pool.can_allocate():
+                r = pool.allocate(todo.pop(0))
+                pending.append((r, cons.read(address=address, **r)))
+            still = []
+            for r, t in pending:
+                if not t.poll().is_terminal:
+                    still.append((r, t))
+                    continue
+                kw = {k: r[k] for k in ("local_state_ids", "remote_state_ids") if k in r}
+                bad = sum(
+                    mismatches(spec, bufs, remote, r["local_block_ids"], r["remote_block_ids"], **kw)
+                    for spec, bufs in ranks
+                ) if t.state is RequestState.DONE else -1  # fmt: skip
+                conn.send(("done", r["request_id"], t.state.value, str(t.error or ""), t.latency_s,
+                           t.num_descriptors, t.num_bytes, bad))  # fmt: skip
+                pool.free(r)
+            pending = still
+            time.sleep(0.0002)
+        wall = time.perf_counter() - t0
+        peer = cons.connect(address)
+        conn.send(("end", wall, peer.timings_s, peer.num_rows, peer.num_descriptors))
+
+
+def run_demo(o: DemoOptions, progress: Any = None) -> dict[str, Any]:
+    """Run the demo; return the summary (``verify_ok`` says whether every byte matched).
+
+    Args:
+        o: what to move.
+        progress: optional callable ``(done, total)`` for a progress bar.
+    """
+    ctx = mp.get_context("spawn")
+    reqs = _requests(o)
+    p_conn, p_child = ctx.Pipe()
+    producer = ctx.Process(target=_producer_main, args=(o, p_child), name="kvxfer-demo-producer")
+    producer.start()
+    consumer = None
+    try:
+        if not p_conn.poll(o.timeout_s):
+            raise TimeoutError("producer did not start")
+        _, address = p_conn.recv()
+        p_conn.send(("hold", [(r["request_id"], len(r["remote_block_ids"])) for r in reqs]))
+        c_conn, c_child = ctx.Pipe()
+        consumer = ctx.Process(
+            target=_consumer_main, args=(o, address, reqs, c_child), name="kvxfer-demo-consumer"
+        )
+        consumer.start()
+        results, end = [], None
+        deadline = time.monotonic() + o.timeout_s
+        while end is None:
+            if not c_conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"demo did not finish within {o.timeout_s} s")
+            msg = c_conn.recv()
+            if msg[0] == "done":
+                results.append(msg[1:])
+                if progress is not None:
+                    progress(len(results), len(reqs))
+            else:
+                end = msg[1:]
+        p_conn.send(("stop",))
+        pstats = p_conn.recv() if p_conn.poll(10) else {}
+        pstats = pstats[1] if pstats else {}
+    finally:
+        for proc in (consumer, producer):
+            if proc is not None:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+    return _summary(o, results, end, pstats)
+
+
+def _summary(
+    o: DemoOptions, results: list[tuple[Any, ...]], end: tuple[Any, ...], pstats: dict[str, Any]
+) -> dict[str, Any]:
+    wall, timings, num_rows, num_desc = end
+    lat = (
+        np.array([r[3] for r in results[1:]] or [0.0]) * 1e3
+    )  # first request includes first contact
+    ok = [r for r in results if r[1] == "done"]
+    bad = sum(r[6] for r in ok)
+    total_bytes = sum(r[5] for r in ok)
+    return {
+        "options": asdict(o),
+        "requests": len(results),
+        "done": len(ok),
+        "failed": [(r[0], r[1], r[2]) for r in results if r[1] != "done"],
+        "first_contact_ms": {k: v * 1e3 for k, v in timings.items()}
+        | {"total": sum(timings.values()) * 1e3},
+        "first_request_ms": results[0][3] * 1e3 if results else 0.0,
+        "strided_rows": num_rows,
+        "dense_descriptors": num_desc,
+        "descriptors_per_request": float(np.mean([r[4] for r in ok])) if ok else 0.0,
+        "bytes": total_bytes,
+        "gb_per_s": total_bytes / wall / 1e9 if wall else 0.0,
+        "latency_ms_p50": float(np.percentile(lat, 50)),
+        "latency_ms_p99": float(np.percentile(lat, 99)),
+        "bad_bytes": bad,
+        "producer": pstats,
+        "verify_ok": bad == 0 and len(ok) == len(results) == o.num_requests,
+    }
+
+
+def options_with(o: DemoOptions, **kw: Any) -> DemoOptions:
+    return replace(o, **kw)

@@ -1,0 +1,260 @@
+"""The handshake side channel over ZMQ: the only module that imports zmq.
+
+A producer runs one :class:`SideChannelServer` (a ROUTER socket in a daemon
+thread) that answers :class:`~kvxfer.schema.GetRecords` with its ranks' encoded
+handshake records. A consumer calls :func:`fetch_records` on first contact with
+an engine. Addresses are configuration (``tcp://host:port``); nothing assumes
+one host.
+
+Frames: a client sends one frame, ``encode_side(GetRecords(...))`` (a REQ client's
+empty delimiter frame is accepted too); the server replies with one frame,
+``encode_side(Records(...))`` or ``encode_side(ErrorReply(...))``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import zmq
+
+from .errors import IncompatibleError, LayoutError, PeerLostError, ProtocolError
+from .schema import (
+    MAX_RANKS,
+    MAX_REASON_LEN,
+    MAX_SIDE_REPLY_BYTES,
+    MAX_SIDE_REQUEST_BYTES,
+    ErrorReply,
+    GetRecords,
+    LayoutRecord,
+    Records,
+    decode_record,
+    decode_side,
+    encode_side,
+    peek_hash,
+)
+
+__all__ = ["RecordSource", "SideChannelServer", "fetch_records"]
+
+log = logging.getLogger(__name__)
+
+RecordSource = Mapping[int, bytes] | Callable[[], Mapping[int, bytes]]
+"""Encoded record envelopes by TP rank, or a callable returning them per request."""
+
+_POLL_MS = 50  # how often the server thread checks for stop()
+
+
+class SideChannelServer:
+    """Serve encoded handshake records by TP rank on a ZMQ ROUTER socket.
+
+    Args:
+        bind_addr: ZMQ endpoint to bind, e.g. ``tcp://0.0.0.0:5600``; port 0 (or
+            ``*``) picks a free port, reported by :attr:`address`.
+        records_by_rank: encoded envelopes (from :func:`~kvxfer.schema.encode_record`)
+            by rank, or a callable returning them, called on every request.
+        max_request_bytes: requests larger than this are dropped by ZMQ itself.
+
+    The server never dies from input: a malformed request gets an ErrorReply with
+    code ``malformed``, a log line and ``num_rejected += 1``.
+    """
+
+    def __init__(
+        self,
+        bind_addr: str,
+        records_by_rank: RecordSource,
+        *,
+        max_request_bytes: int = MAX_SIDE_REQUEST_BYTES,
+    ) -> None:
+        self._bind_addr = bind_addr
+        self._records: RecordSource = records_by_rank
+        self._max_request_bytes = max_request_bytes
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._address = ""
+        self.num_served = 0
+        self.num_rejected = 0
+
+    @property
+    def address(self) -> str:
+        """The endpoint actually bound (a free port resolved); empty before :meth:`start`."""
+        return self._address
+
+    def set_records(self, records_by_rank: RecordSource) -> None:
+        """Replace the served records (e.g. after a restart with a new generation)."""
+        with self._lock:
+            self._records = records_by_rank
+
+    def start(self) -> SideChannelServer:
+        """Bind the socket (errors raise here, in the caller) and start the serving thread."""
+        if self._stop.is_set():
+            raise LayoutError("side channel: a stopped server cannot restart; create a new one")
+        if self._thread is not None:
+            return self
+        addr = self._bind_addr
+        if addr.startswith("tcp://") and addr.endswith(":0"):
+            addr = addr[:-1] + "*"
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes)
+        try:
+            sock.bind(addr)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise LayoutError(f"side channel: cannot bind {self._bind_addr!r}: {e}") from None
+        self._sock = sock
+        self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # the socket moves to the thread; the thread start is the memory barrier ZMQ needs
+        self._thread = threading.Thread(target=self._serve, name="kvxfer-side-channel", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, join the thread and close the socket. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> SideChannelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while not self._stop.is_set():
+            try:
+                if not sock.poll(_POLL_MS, zmq.POLLIN):
+                    continue
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as e:  # the socket is unusable: nothing more to serve
+                log.error("side channel %s: receive failed: %s", self._address, e)
+                return
+            self._handle(sock, frames)
+
+    def _handle(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        prefix: list[bytes] = []
+        if len(body) == 2 and body[0] == b"":  # REQ clients send an empty delimiter
+            prefix, body = [b""], body[1:]
+        reply: ErrorReply | Records
+        if len(body) != 1:
+            reply = self._reject(f"expected one frame, got {len(body)}")
+        else:
+            try:
+                reply = self._answer(body[0])
+            except Exception as e:  # the server must outlive any input or record source
+                log.exception("side channel %s: internal error", self._address)
+                reply = ErrorReply("internal", f"{type(e).__name__}: {e}"[:MAX_REASON_LEN])
+        buf = encode_side(reply)
+        if len(buf) > MAX_SIDE_REPLY_BYTES:
+            buf = encode_side(ErrorReply("too_large", f"reply of {len(buf)} bytes"))
+        try:
+            sock.send_multipart([identity, *prefix, buf], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # peer gone or its queue full: drop the reply
+            log.warning("side channel %s: reply dropped: %s", self._address, e)
+
+    def _answer(self, body: bytes) -> ErrorReply | Records:
+        try:
+            req = decode_side(body, self._max_request_bytes)
+        except ProtocolError as e:
+            return self._reject(str(e))
+        if not isinstance(req, GetRecords):
+            return self._reject(f"expected GetRecords, got {type(req).__name__}")
+        with self._lock:
+            source = self._records
+        by_rank = source() if callable(source) else source
+        ranks = sorted(by_rank) if req.ranks is None else req.ranks
+        missing = [r for r in ranks if r not in by_rank]
+        if missing:
+            msg = f"no record for ranks {missing}; have {sorted(by_rank)}"
+            return ErrorReply("unknown_rank", msg[:MAX_REASON_LEN])
+        records = tuple(by_rank[r] for r in ranks)
+        for r, buf in zip(ranks, records, strict=True):
+            have = peek_hash(buf)
+            if have != req.expected_hash:
+                return ErrorReply(
+                    "incompatible",
+                    f"compat hash mismatch: rank {r} has {have!r}, expected {req.expected_hash!r}",
+                )
+        self.num_served += 1
+        return Records(records)
+
+    def _reject(self, why: str) -> ErrorReply:
+        self.num_rejected += 1
+        n = self.num_rejected
+        if n <= 10 or n % 1000 == 0:  # bounded logging under a flood of junk
+            log.warning("side channel %s: rejected request #%d: %s", self._address, n, why[:200])
+        return ErrorReply("malformed", why[:MAX_REASON_LEN])
+
+
+def fetch_records(
+    address: str, ranks: list[int] | None, expected_hash: str, timeout_s: float
+) -> list[LayoutRecord]:
+    """Fetch and decode the handshake records of ``ranks`` (None: all) from ``address``.
+
+    Uses a fresh DEALER socket per call, so it is thread-safe; never blocks past
+    ``timeout_s``.
+
+    Returns:
+        The decoded records, in the order of ``ranks`` (by rank when None).
+
+    Raises:
+        PeerLostError: no reply within ``timeout_s`` (the message names both).
+        IncompatibleError: the server or a record has another compat hash.
+        ProtocolError: the reply or a record is malformed, or the server refused.
+        LayoutError: ``address`` is not a valid ZMQ endpoint.
+    """
+    deadline = time.monotonic() + timeout_s
+    if ranks is not None and (len(ranks) > MAX_RANKS or any(not 0 <= r < 1 << 32 for r in ranks)):
+        raise LayoutError(f"ranks must be at most {MAX_RANKS} ints in [0, 2**32), got {ranks}")
+    request = encode_side(GetRecords(None if ranks is None else tuple(ranks), expected_hash))
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_REPLY_BYTES)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as e:
+            raise LayoutError(f"side channel: bad address {address!r}: {e}") from None
+        lost = PeerLostError(f"side channel {address}: no reply within timeout {timeout_s} s")
+        try:
+            sock.send(request, zmq.NOBLOCK)  # DEALER queues on the pipe connect() created
+        except zmq.Again:
+            raise lost from None
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+            raise lost
+        frames = sock.recv_multipart(zmq.NOBLOCK)
+    finally:
+        sock.close(linger=0)
+    if len(frames) != 1:
+        raise ProtocolError(f"side channel {address}: expected one reply frame, got {len(frames)}")
+    reply = decode_side(frames[0], MAX_SIDE_REPLY_BYTES)
+    if isinstance(reply, ErrorReply):
+        cls = IncompatibleError if reply.code == "incompatible" else ProtocolError
+        raise cls(f"side channel {address}: {reply.code}: {reply.message}")
+    if not isinstance(reply, Records):
+        raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")
+    if ranks is not None and len(reply.records) != len(ranks):
+        raise ProtocolError(
+            f"side channel {address}: asked for {len(ranks)} records, got {len(reply.records)}"
+        )
+    out = [decode_record(buf, expected_hash) for buf in reply.records]
+    for i, rec in enumerate(out):
+        if ranks is not None and rec.tp_rank != ranks[i]:
+            raise ProtocolError(
+                f"side channel {address}: record {i} is for tp_rank {rec.tp_rank}, "
+                f"asked for {ranks[i]}"
+            )
+    return out
