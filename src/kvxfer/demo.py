@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from .engine import EngineConfig, RequestState, allocate_cache
+from .errors import IncompatibleError, KvxferError
 from .pattern import fill, mismatches
 from .presets import spec_for
-from .spec import LayoutSpec
+from .spec import AttnKind, LayoutSpec
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -29,6 +30,7 @@ class DemoOptions:
     """What the demo moves. Block ids are drawn from pools of ``num_blocks`` blocks."""
 
     preset: str = "tiny-gqa"
+    kind: str | None = None  # override the preset's attention layout (an AttnKind value)
     producer_tp: int = 1
     consumer_tp: int = 2
     producer_block_size: int | None = None
@@ -46,7 +48,10 @@ class DemoOptions:
         tp = self.producer_tp if side == "p" else self.consumer_tp
         bs = self.producer_block_size if side == "p" else self.consumer_block_size
         nb = self.num_blocks if side == "p" else self.num_blocks * self.bsr
-        return spec_for(self.preset, tp_rank=rank, tp_size=tp, num_blocks=nb, block_size=bs)
+        kind = AttnKind(self.kind) if self.kind else None
+        return spec_for(
+            self.preset, tp_rank=rank, tp_size=tp, num_blocks=nb, block_size=bs, kind=kind
+        )
 
     @property
     def bsr(self) -> int:
@@ -140,25 +145,36 @@ def _producer_main(o: DemoOptions, conn: Connection) -> None:
 def _consumer_main(
     o: DemoOptions, address: str, reqs: list[dict[str, Any]], conn: Connection
 ) -> None:
+    try:
+        _consume(o, address, reqs, conn)
+    except Exception as e:  # report to the parent instead of dying with a traceback
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _consume(o: DemoOptions, address: str, reqs: list[dict[str, Any]], conn: Connection) -> None:
     from .consumer import Consumer
 
     ranks = [(o.spec("d", d), allocate_cache(o.spec("d", d))) for d in range(o.consumer_tp)]
     remote = o.spec("p")
     cfg = EngineConfig("demo-d", model_name=o.preset, strided=o.strided, deadline_s=o.deadline_s)
     with Consumer(cfg, ranks) as cons:
-        pending: list[tuple[dict[str, Any], Any]] = []
         todo = list(reqs)
         pool = _FreeBlocks(o)
-        t0 = time.perf_counter()
-        while todo or pending:
-            while todo and len(pending) < o.inflight and pool.can_allocate():
-                r = pool.allocate(todo.pop(0))
-                pending.append((r, cons.read(address=address, **r)))
-            still = []
-            for r, t in pending:
-                if not t.poll().is_terminal:
-                    still.append((r, t))
-                    continue
+        wall = 0.0
+        while todo:
+            # one window: launch, poll tightly until all end (timed), then verify (untimed)
+            window: list[dict[str, Any]] = []
+            while todo and len(window) < o.inflight and pool.can_allocate():
+                window.append(pool.allocate(todo.pop(0)))
+            t0 = time.perf_counter()
+            xfers = [cons.read(address=address, **r) for r in window]
+            while not all(t.poll().is_terminal for t in xfers):
+                pass
+            wall += time.perf_counter() - t0
+            for t in xfers:  # an incompatible peer fails every request alike: stop here
+                if isinstance(t.error, IncompatibleError):
+                    raise t.error
+            for r, t in zip(window, xfers, strict=True):
                 kw = {k: r[k] for k in ("local_state_ids", "remote_state_ids") if k in r}
                 bad = sum(
                     mismatches(spec, bufs, remote, r["local_block_ids"], r["remote_block_ids"], **kw)
@@ -167,9 +183,6 @@ def _consumer_main(
                 conn.send(("done", r["request_id"], t.state.value, str(t.error or ""), t.latency_s,
                            t.num_descriptors, t.num_bytes, bad))  # fmt: skip
                 pool.free(r)
-            pending = still
-            time.sleep(0.0002)
-        wall = time.perf_counter() - t0
         peer = cons.connect(address)
         conn.send(("end", wall, peer.timings_s, peer.num_rows, peer.num_descriptors))
 
@@ -200,9 +213,14 @@ def run_demo(o: DemoOptions, progress: Any = None) -> dict[str, Any]:
         results, end = [], None
         deadline = time.monotonic() + o.timeout_s
         while end is None:
-            if not c_conn.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"demo did not finish within {o.timeout_s} s")
+            while not c_conn.poll(0.1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"demo did not finish within {o.timeout_s} s")
+                if not consumer.is_alive() and not c_conn.poll(0):
+                    raise KvxferError(f"consumer process exited with code {consumer.exitcode}")
             msg = c_conn.recv()
+            if msg[0] == "error":
+                raise KvxferError(f"consumer: {msg[1]}")
             if msg[0] == "done":
                 results.append(msg[1:])
                 if progress is not None:
@@ -225,9 +243,9 @@ def _summary(
     o: DemoOptions, results: list[tuple[Any, ...]], end: tuple[Any, ...], pstats: dict[str, Any]
 ) -> dict[str, Any]:
     wall, timings, num_rows, num_desc = end
-    lat = (
-        np.array([r[3] for r in results[1:]] or [0.0]) * 1e3
-    )  # first request includes first contact
+    # the first window waits for first contact: its latencies are reported apart
+    warm = results[o.inflight :] or results
+    lat = np.array([r[3] for r in warm] or [0.0]) * 1e3
     ok = [r for r in results if r[1] == "done"]
     bad = sum(r[6] for r in ok)
     total_bytes = sum(r[5] for r in ok)

@@ -102,6 +102,14 @@ _PRESET_LIST = (
     ),
     # Small GQA model for demos and tests: 8 regions of 8 KiB per block at TP 1.
     ModelShape("tiny-gqa", 4, 4, 64, 2, AttnKind.SPLIT_KV, block_size=16),
+    # Tiny stand-ins of the shapes above, for end-to-end tests (same structure, small bytes).
+    ModelShape("tiny-mla", 3, 1, 64, 2, AttnKind.MLA, block_size=16),
+    ModelShape(
+        "tiny-mamba2", 2, 4, 32, 2, AttnKind.BLOCKS_FIRST, StateSpec(3, (128, 32, 32), 4, 4096)
+    ),
+    ModelShape(
+        "tiny-gdn", 2, 2, 64, 2, AttnKind.BLOCKS_FIRST, StateSpec(3, (64, 64, 128), 4, 4096)
+    ),
 )
 
 PRESETS: dict[str, ModelShape] = {m.name: m for m in _PRESET_LIST}

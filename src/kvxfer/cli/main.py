@@ -1,19 +1,105 @@
-"""The ``kvxfer`` command: a thin layer over the library."""
+"""The ``kvxfer`` command: a thin layer over the library.
+
+Each subcommand registers its parser in one small ``add_*_parser`` function and sets
+``handler`` to a function that imports the heavy modules only when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
+
+Handler = Callable[[argparse.Namespace], int]
+Subparsers = Any  # argparse's _SubParsersAction is private
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .plan_cmd import run
+
+    return run(args)
+
+
+def add_plan_parser(subparsers: Subparsers) -> None:
+    """``kvxfer plan FILE [--json] [--request-only]``."""
+    p = subparsers.add_parser(
+        "plan",
+        help="dry-run the transfer planner on a JSON/TOML file of two layouts and a request",
+        description="Pair a local rank with a remote engine and show views, rows and request "
+        "descriptors (format: docs/plan-input.md). Exit code 2 on bad input.",
+    )
+    p.add_argument("file", help="plan input (.json, or .toml on Python >= 3.11)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument(
+        "--request-only", action="store_true", help="show only the request plan (needs a request)"
+    )
+    p.set_defaults(handler=_run_plan)
+
+
+def _run_bench_descriptors(args: argparse.Namespace) -> int:
+    from ..bench.descriptors import run
+
+    return run(args)
+
+
+def add_bench_descriptors_parser(subparsers: Subparsers) -> None:
+    """``kvxfer bench descriptors``: loop vs dense vs strided vs memory floor."""
+    p = subparsers.add_parser(
+        "descriptors",
+        help="descriptor list builders: Python loop, dense Nx3, strided Nx5, memory floor",
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes only (1000, 2000 blocks)")
+    p.add_argument("--json", metavar="PATH", help="write results and machine info as JSON")
+    p.add_argument("--png", metavar="PATH", help="write a log-log chart (needs matplotlib)")
+    p.add_argument(
+        "--blocks", metavar="N", type=int, nargs="+", help="num_blocks values (overrides defaults)"
+    )
+    p.add_argument(
+        "--views", type=int, default=None, help="views (K and V per layer; even; default 128)"
+    )
+    p.add_argument("--repeat", type=int, default=3, help="best of R runs (default 3)")
+    p.set_defaults(handler=_run_bench_descriptors)
+
+
+def add_bench_parser(subparsers: Subparsers) -> None:
+    """``kvxfer bench <name>``: reproducible benchmarks, one table each."""
+    p = subparsers.add_parser("bench", help="run a benchmark")
+    bench = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    add_bench_descriptors_parser(bench)
+    p.set_defaults(usage_parser=p)  # `kvxfer bench` alone prints this parser's help
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo_cmd import run
+
+    return run(args)
+
+
+def add_demo_parser(subparsers: Subparsers) -> None:
+    """``kvxfer demo``: the main job (producer and consumer processes, verified bytes)."""
+    from .demo_cmd import add_demo_parser as add
+
+    add(subparsers, _run_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_demo_parser(subparsers)
+    add_plan_parser(subparsers)
+    add_bench_parser(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
-    parser.add_subparsers(dest="command")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        getattr(args, "usage_parser", parser).print_help(sys.stderr)
         return 2
-    return 0
+    return handler(args)
 
 
 if __name__ == "__main__":
