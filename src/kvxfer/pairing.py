@@ -81,7 +81,14 @@ class PeerPlan:
 
 
 def _check_same(local: CacheLayout, remote: CacheLayout) -> None:
-    for name in ("num_kv_heads", "head_dim", "dtype_bytes", "is_mla", "is_cross_layer"):
+    for name in (
+        "num_kv_heads",
+        "head_dim",
+        "dtype_bytes",
+        "is_mla",
+        "is_cross_layer",
+        "token_layout",
+    ):
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             raise IncompatibleError(f"{name} differs: local {a}, remote {b}")
@@ -200,6 +207,12 @@ def pair_layouts(local: CacheLayout, remotes: Mapping[int, CacheLayout]) -> Peer
                 f"remote record for rank {rank} claims rank {lay.tp_rank}/{lay.tp_size}"
             )
         _check_same(first, lay)
+        for name in ("block_size", "ppl", "num_logical_blocks", "token_layout"):
+            a, b = getattr(first, name), getattr(lay, name)
+            if a != b:  # ids are expanded and range-checked with one value for all ranks
+                raise IncompatibleError(
+                    f"remote ranks disagree on {name}: rank {first.tp_rank} {a}, rank {rank} {b}"
+                )
     _check_same(local, first)
     kt_local, kt_remote = local.kernel_block_size, first.kernel_block_size
     if kt_local % kt_remote:
@@ -220,6 +233,10 @@ def pair_layouts(local: CacheLayout, remotes: Mapping[int, CacheLayout]) -> Peer
     if kbsr > 1 and plan.is_fan_out:
         raise IncompatibleError(
             f"block size ratio {kbsr} with fan-out TP ({first.tp_size} -> {local.tp_size})"
+        )
+    if kbsr > 1 and local.is_cross_layer:
+        raise IncompatibleError(
+            f"block size ratio {kbsr} with cross-layer blocks (layers interleave)"
         )
     if kbsr > 1 and local.state_views:
         raise IncompatibleError(f"block size ratio {kbsr} with hybrid state views")

@@ -78,8 +78,9 @@ def attn_parts(spec: LayoutSpec, bufs: Sequence[U8]) -> list[AttnPart]:
                 buf, off, bstride, hs2, ts2 = bufs[2 * layer + kv], 0, kb, hs, ts
             elif spec.kind is AttnKind.BLOCKS_FIRST:
                 buf, off, bstride, hs2, ts2 = bufs[layer], kv * kb, 2 * kb, hs, ts
-            elif spec.kind is AttnKind.PACKED:  # [NB, H, T, 2D]: K = first D, V = second D
-                buf, off, bstride, hs2, ts2 = bufs[layer], kv * d, 2 * kb, 2 * kt * d, 2 * d
+            elif spec.kind is AttnKind.PACKED:  # [NB, H, T, 2D] (NHD: [NB, T, H, 2D])
+                hs2, ts2 = (2 * d, 2 * h * d) if nhd else (2 * kt * d, 2 * d)
+                buf, off, bstride = bufs[layer], kv * d, 2 * kb
             elif spec.kind is AttnKind.MLA:  # [NB, T, D]
                 buf, off, bstride, hs2, ts2 = bufs[layer], 0, kb, 0, d
             else:  # CROSS_LAYER [NB, L, 2, H, T, D]

@@ -144,7 +144,7 @@ def test_bad_stride_names_the_field(capsys: pytest.CaptureFixture[str]) -> None:
         (lambda d: d["local"]["spec"].pop("num_blocks"), "local.spec.num_blocks: missing field"),
         (lambda d: d["local"]["spec"].update(kind="paged"), "local.spec.kind: expected one of"),
         (lambda d: d["remote"]["spec"].update(tp_size=3), "remote.spec: num_kv_heads over"),
-        (lambda d: d["local"]["spec"].update(token_layout="NHD"), "local layout is NHD"),
+        (lambda d: d["local"]["spec"].update(token_layout="NHD"), "token_layout differs"),
         (lambda d: d["remote"]["spec"].update(tp_rank=0), "remote.spec.tp_rank: not allowed"),
         (lambda d: d["request"].update(local_block_ids=[0, "a"]), "request.local_block_ids[1]"),
         (lambda d: d["request"].update(local_block_ids=[0, 99, 1, 2]), "request: local_block_ids"),

@@ -340,15 +340,9 @@ def test_errors_are_value_errors_under_the_root() -> None:
     assert isinstance(err.value, KvxferError)
 
 
-# ---------------------------------------------------------------- bugs found (xfail strict)
+# ---------------------------------------------------------------- regressions of bugs found (fixed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: pair_layouts does not check that remote ranks agree on num_blocks; remote "
-    "ids are range-checked against the first record only and can index past another "
-    "source's prepared list",
-)
 def test_remote_ranks_disagree_on_num_blocks() -> None:
     rs = remotes(kv(2, num_blocks=40))
     rs[1] = build(kv(2, 1, num_blocks=10), (1 << 44) + (1 << 38))
@@ -357,11 +351,6 @@ def test_remote_ranks_disagree_on_num_blocks() -> None:
         plan_request(peer, [0], [20])  # rank 1 has only 2 x 10 descriptors; id 30 is past them
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: pair_layouts does not check that remote ranks agree on block_size/ppl; "
-    "remote ids of every source are expanded with the first record's ppl",
-)
 def test_remote_ranks_disagree_on_ppl() -> None:
     # rank 0: block 4, ppl 1; rank 1: block 8, ppl 2 (same 4-token kernel blocks, same bytes)
     rs = remotes(kv(2))

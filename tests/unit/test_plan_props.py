@@ -100,12 +100,8 @@ def valid_cases(draw: st.DrawFn, tiny: bool = False) -> Case:
     # NHD only where no head slice is taken
     token_layout = TokenLayout.HND if sliced else draw(st.sampled_from(TokenLayout))
     fan_in = tp_d >= tp_p
-    # known bugs (xfail tests below) kept out of the byte-level run: bsr with cross-layer
-    # blocks, and bsr with packed NHD blocks
-    relayout_bug = akind is AttnKind.CROSS_LAYER or (
-        akind is AttnKind.PACKED and token_layout is TokenLayout.NHD
-    )
-    bsr_ok = fan_in and not hybrid and not (tiny and relayout_bug)
+    # bsr > 1 is refused with cross-layer blocks (tested as a refusal below)
+    bsr_ok = fan_in and not hybrid and akind is not AttnKind.CROSS_LAYER
     kbsr = draw(st.sampled_from([1, 2, 4])) if bsr_ok else 1
     kt_r = draw(st.sampled_from([1, 2, 4]))
     ppl_l, ppl_r = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
@@ -433,14 +429,9 @@ def test_id_errors_are_layout_errors() -> None:
     assert not isinstance(err.value, IncompatibleError)
 
 
-# ---------------------------------------------------------------- bugs found (xfail strict)
+# ---------------------------------------------------------------- regressions of bugs found (fixed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: cross-layer pools at block size ratio 2 are paired, but the bytes "
-    "received are not re-laid-out correctly (relayout_bsr assumes per-layer blocks)",
-)
 def test_cross_layer_block_size_ratio_bytes() -> None:
     local = LayoutSpec(AttnKind.CROSS_LAYER, 2, 12, 8, 4, 8)
     remote = LayoutSpec(AttnKind.CROSS_LAYER, 2, 12, 4, 4, 8)
@@ -451,11 +442,6 @@ def test_cross_layer_block_size_ratio_bytes() -> None:
     assert bad == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: HND and NHD sides at equal TP are paired and whole blocks copied, "
-    "so the NHD side receives HND-ordered bytes",
-)
 @pytest.mark.parametrize(("local_layout", "remote_layout"), [("NHD", "HND"), ("HND", "NHD")])
 def test_mixed_token_layouts_refused_or_correct(local_layout: str, remote_layout: str) -> None:
     def spec(layout: str) -> LayoutSpec:
@@ -468,12 +454,6 @@ def test_mixed_token_layouts_refused_or_correct(local_layout: str, remote_layout
     assert bad == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: packed K/V with token_layout NHD at block size ratio 2: pattern.attn_parts "
-    "reads PACKED as heads-outer whatever token_layout says, but relayout_bsr skips NHD, so "
-    "the received sub-blocks are never re-laid-out",
-)
 def test_packed_nhd_block_size_ratio_bytes() -> None:
     nhd = TokenLayout.NHD
     local = LayoutSpec(AttnKind.PACKED, 1, 6, 8, 4, 8, token_layout=nhd)
