@@ -18,13 +18,24 @@ import numpy as np
 import numpy.typing as npt
 
 from .engine import U8, EngineConfig, RankCache, RequestState, new_generation
-from .errors import DeadlineError, KvxferError, LayoutError, PeerLostError
+from .errors import DeadlineError, KvxferError, LayoutError, PeerLostError, TransferError
 from .nixl_backend import PreparedList, XferHandle, XferOp, XferState
 from .pairing import PeerPlan, pair_layouts
 from .pattern import relayout_bsr
 from .plan import plan_request
-from .schema import Abort, ReadDone, encode_msg, layout_from_record
-from .side_channel import fetch_records
+from .schema import (
+    Abort,
+    Failed,
+    PushRequest,
+    ReadDone,
+    WriteDone,
+    decode_msg,
+    encode_msg,
+    encode_record,
+    layout_from_record,
+    record_from_layout,
+)
+from .side_channel import SideChannelServer, fetch_records
 from .spec import LayoutSpec
 
 __all__ = ["Consumer", "PeerInfo", "Transfer"]
@@ -68,6 +79,7 @@ class Transfer:
     remote_ids: npt.NDArray[np.int64]
     kwargs: dict[str, object]
     ranks: tuple[int, ...]
+    op: XferOp = XferOp.READ
     state: RequestState = RequestState.PENDING
     error: KvxferError | None = None
     started_at: float = field(default_factory=time.perf_counter)
@@ -77,6 +89,7 @@ class Transfer:
     num_bytes: int = 0
     xfers: list[tuple[int, XferHandle]] = field(default_factory=list)  # (local rank, handle)
     notify: list[tuple[int, str]] = field(default_factory=list)  # (local rank, agent)
+    expected: set[tuple[int, int]] = field(default_factory=set)  # push: (local, producer rank)
 
     def poll(self) -> RequestState:
         """Advance the request and return its state (terminal states stay put)."""
@@ -105,6 +118,13 @@ class Transfer:
         return (self.finished_at or time.perf_counter()) - self.started_at
 
 
+def _num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int64]) -> int:
+    """Bytes moved by descriptors ``local_ids`` of source ``rank``'s local list."""
+    src = next(s for s in plan.sources if s.rank == rank)
+    starts = np.searchsorted(src.local_starts, local_ids, side="right") - 1  # row of each id
+    return int(src.local_rows[starts, 1].sum())
+
+
 class Consumer:
     """A consumer engine hosting ``len(ranks)`` TP ranks in this process.
 
@@ -128,9 +148,33 @@ class Consumer:
             for spec, bufs in ranks:
                 name = f"{config.engine_id}-d{spec.tp_rank}-{self.generation:x}"
                 self.ranks[spec.tp_rank] = RankCache(spec, bufs, name, config)
+            records = {
+                d: encode_record(
+                    record_from_layout(
+                        c.layout,
+                        agent_name=c.backend.name,
+                        agent_metadata=c.backend.metadata(),
+                        generation=self.generation,
+                    ),
+                    self.compat_hash,
+                )
+                for d, c in self.ranks.items()
+            }
+            # push mode: producers fetch this engine's records here
+            self.server: SideChannelServer | None = SideChannelServer(
+                config.side_channel_addr, records
+            ).start()
         except BaseException:
             self.close()
             raise
+        self._done: dict[str, set[tuple[int, int]]] = {}  # push: WriteDone seen per request
+        self._failed: dict[str, str] = {}  # push: Failed notices per request
+        self.num_rejected = 0
+
+    @property
+    def address(self) -> str:
+        """This engine's side-channel endpoint (producers fetch its records for push)."""
+        return self.server.address if self.server is not None else ""
 
     # -- first contact --------------------------------------------------------------
 
@@ -233,6 +277,47 @@ class Consumer:
         posted (a bad id ends the request FAILED with a LayoutError). ``ranks``
         selects local ranks (default: all hosted ranks).
         """
+        return self._request(
+            XferOp.READ, request_id, address, local_block_ids, remote_block_ids,
+            local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s,
+        )  # fmt: skip
+
+    def push(
+        self,
+        request_id: str,
+        address: str,
+        *,
+        local_block_ids: npt.ArrayLike,
+        remote_block_ids: npt.ArrayLike,
+        local_state_ids: npt.ArrayLike | None = None,
+        remote_state_ids: npt.ArrayLike | None = None,
+        num_cached_blocks: int = 0,
+        ranks: Sequence[int] | None = None,
+        deadline_s: float | None = None,
+    ) -> Transfer:
+        """Ask the producer at ``address`` to WRITE a request into these local blocks (push).
+
+        Same arguments and handle as :meth:`read`; the request is DONE when every
+        source rank's ``WriteDone`` notification arrived (WRITE data is complete then).
+        """
+        return self._request(
+            XferOp.WRITE, request_id, address, local_block_ids, remote_block_ids,
+            local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s,
+        )  # fmt: skip
+
+    def _request(
+        self,
+        op: XferOp,
+        request_id: str,
+        address: str,
+        local_block_ids: npt.ArrayLike,
+        remote_block_ids: npt.ArrayLike,
+        local_state_ids: npt.ArrayLike | None,
+        remote_state_ids: npt.ArrayLike | None,
+        num_cached_blocks: int,
+        ranks: Sequence[int] | None,
+        deadline_s: float | None,
+    ) -> Transfer:
         chosen = tuple(self.ranks) if ranks is None else tuple(ranks)
         for d in chosen:
             if d not in self.ranks:
@@ -245,7 +330,7 @@ class Consumer:
             kwargs["remote_state_ids"] = np.asarray(remote_state_ids)
         return Transfer(
             request_id, self, self._peer(address), deadline,
-            np.asarray(local_block_ids), np.asarray(remote_block_ids), kwargs, chosen,
+            np.asarray(local_block_ids), np.asarray(remote_block_ids), kwargs, chosen, op,
         )  # fmt: skip
 
     def _advance(self, t: Transfer) -> RequestState:
@@ -260,6 +345,15 @@ class Consumer:
                 if t.peer.error is not None:
                     raise t.peer.error
                 self._post(t)
+            if t.op is XferOp.WRITE:
+                self._drain()
+                reason = self._failed.pop(t.request_id, None)
+                if reason is not None:
+                    raise TransferError(f"producer failed to push {t.request_id!r}: {reason}")
+                if t.expected <= self._done.get(t.request_id, set()):
+                    self._done.pop(t.request_id, None)
+                    self._finish(t)
+                return t.state
             pending = []
             for d, x in t.xfers:
                 if self.ranks[d].backend.poll(x) is XferState.IN_PROGRESS:
@@ -276,6 +370,9 @@ class Consumer:
     def _post(self, t: Transfer) -> None:
         peer = t.peer
         t.posted_at = time.perf_counter()
+        if t.op is XferOp.WRITE:
+            self._post_push(t)
+            return
         for d in t.ranks:
             plan = peer.plans[d]
             req = plan_request(plan, t.local_ids, t.remote_ids, **t.kwargs)  # type: ignore[arg-type]
@@ -289,12 +386,52 @@ class Consumer:
                 x = backend.make_xfer(XferOp.READ, loc, ids.local_ids, rem, ids.remote_ids, msg)
                 t.xfers.append((d, x))
                 t.num_descriptors += ids.num_descriptors
-                src = next(s for s in plan.sources if s.rank == ids.rank)
-                lens = np.repeat(src.local_rows[:, 1], np.diff(src.local_starts))
-                t.num_bytes += int(lens[ids.local_ids].sum())
+                t.num_bytes += _num_bytes(plan, ids.rank, ids.local_ids)
                 if backend.post(x) is XferState.DONE:
                     pass  # polled (and released) below
             t.notify.extend((d, peer.agents[r]) for r in req.notify_only)
+
+    def _post_push(self, t: Transfer) -> None:
+        peer = t.peer
+        for d in t.ranks:
+            req = plan_request(peer.plans[d], t.local_ids, t.remote_ids, **t.kwargs)  # type: ignore[arg-type]
+            kw = {
+                k: tuple(int(i) for i in np.asarray(v))
+                for k, v in t.kwargs.items()
+                if k.endswith("state_ids")
+            }
+            msg = PushRequest(
+                t.request_id, peer.generation, self.address, d, self.ranks[d].spec.tp_size,
+                tuple(int(i) for i in t.local_ids), tuple(int(i) for i in t.remote_ids),
+                num_cached_blocks=int(t.kwargs.get("num_cached_blocks", 0)),  # type: ignore[call-overload]
+                **kw,  # type: ignore[arg-type]
+            )  # fmt: skip
+            raw = encode_msg(msg)
+            backend = self.ranks[d].backend
+            for ids in req.sources:
+                backend.send_notif(peer.agents[ids.rank], raw)
+                t.expected.add((d, ids.rank))
+                t.num_descriptors += ids.num_descriptors
+                t.num_bytes += _num_bytes(peer.plans[d], ids.rank, ids.local_ids)
+            t.notify.extend((d, peer.agents[r]) for r in req.notify_only)
+
+    def _drain(self) -> None:
+        """Collect push notifications (WriteDone, Failed) from every local rank's agent."""
+        with self._lock:
+            for d, cache in self.ranks.items():
+                for msgs in cache.backend.get_notifs().values():
+                    for raw in msgs:
+                        try:
+                            msg = decode_msg(raw)
+                        except KvxferError:
+                            self.num_rejected += 1
+                            continue
+                        if isinstance(msg, WriteDone):
+                            self._done.setdefault(msg.request_id, set()).add((d, msg.producer_rank))
+                        elif isinstance(msg, Failed):
+                            self._failed[msg.request_id] = msg.reason
+                        else:
+                            self.num_rejected += 1
 
     def _finish(self, t: Transfer) -> None:
         for d in t.ranks:  # tell ranks that were not read (MLA, GQA dedup, empty) to free
@@ -337,6 +474,10 @@ class Consumer:
 
     def close(self) -> None:
         """Release every agent and deregister memory. Idempotent."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
+            self.server = None
         for cache in self.ranks.values():
             cache.close()
         self.ranks = {}

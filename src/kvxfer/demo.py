@@ -41,6 +41,7 @@ class DemoOptions:
     inflight: int = 4
     seed: int = 0
     strided: bool = True
+    write: bool = False  # push mode: the producer WRITEs into the consumer's blocks
     deadline_s: float = 30.0
     timeout_s: float = 120.0
 
@@ -167,7 +168,8 @@ def _consume(o: DemoOptions, address: str, reqs: list[dict[str, Any]], conn: Con
             while todo and len(window) < o.inflight and pool.can_allocate():
                 window.append(pool.allocate(todo.pop(0)))
             t0 = time.perf_counter()
-            xfers = [cons.read(address=address, **r) for r in window]
+            start = cons.push if o.write else cons.read
+            xfers = [start(address=address, **r) for r in window]
             while not all(t.poll().is_terminal for t in xfers):
                 pass
             wall += time.perf_counter() - t0

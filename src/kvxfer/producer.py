@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from .engine import U8, EngineConfig, RankCache, new_generation
 from .errors import KvxferError, LayoutError
 from .leases import FreeReason, LeaseTable
+from .pusher import PushWorker
 from .schema import (
     Abort,
     Failed,
     Heartbeat,
     LeaseRenew,
+    PushRequest,
     ReadDone,
     decode_msg,
     encode_record,
@@ -73,6 +75,14 @@ class Producer:
                 for r in self.ranks
             }
             self.server = SideChannelServer(config.side_channel_addr, records).start()
+            self._pusher = PushWorker(
+                {r.rank: r for r in self.ranks},
+                self.generation,
+                self.compat_hash,
+                config.handshake_timeout_s,
+                self._on_written,
+                strided=config.strided,
+            )
         except BaseException:
             self.close()
             raise
@@ -126,7 +136,10 @@ class Producer:
             msg = decode_msg(raw)
         except KvxferError as e:
             self.num_rejected += 1
-            log.warning("rank %d: rejected notification: %s", rank, e)
+            if self.num_rejected <= 10 or self.num_rejected % 1000 == 0:  # bounded log volume
+                log.warning(
+                    "rank %d: rejected notification (%d so far): %s", rank, self.num_rejected, e
+                )
             return
         if getattr(msg, "generation", self.generation) != self.generation:
             self.num_rejected += 1
@@ -140,11 +153,21 @@ class Producer:
                 )
             elif isinstance(msg, Abort | Failed):
                 table.abort(msg.request_id)
+            elif isinstance(msg, PushRequest):
+                self._pusher.submit(rank, msg)
             elif isinstance(msg, LeaseRenew):
                 for rid in msg.request_ids:
                     table.renew(rid, now)
             elif not isinstance(msg, Heartbeat):
                 self.num_rejected += 1
+
+    def _on_written(
+        self, request_id: str, rank: int, consumer_rank: int, consumer_size: int
+    ) -> None:
+        """A push WRITE completed: it counts as that consumer rank's read."""
+        with self._lock:
+            expected = max(1, consumer_size // self._tp_size)
+            self._tables[rank].ack(request_id, consumer_rank, expected)
 
     def _collect(self) -> None:
         """Move requests released on every rank to the freed list (lock held)."""
@@ -164,6 +187,9 @@ class Producer:
         t = getattr(self, "_thread", None)
         if t is not None:
             t.join()
+        pusher = getattr(self, "_pusher", None)
+        if pusher is not None:
+            pusher.close()
         server = getattr(self, "server", None)
         if server is not None:
             server.stop()

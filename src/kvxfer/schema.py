@@ -54,6 +54,7 @@ __all__ = [
     "LeaseRenew",
     "ModelFacts",
     "Msg",
+    "PushRequest",
     "ReadDone",
     "Records",
     "RegionRecord",
@@ -86,6 +87,7 @@ MAX_HASH_LEN = 128
 MAX_REQUEST_ID_LEN = 200
 MAX_REASON_LEN = 1024
 MAX_LEASE_IDS = 256
+MAX_PUSH_IDS = 4096  # block ids per list in one PushRequest (fits MAX_MSG_BYTES)
 MAX_MSG_BYTES = 64 << 10  # one notification / control message
 MAX_RANKS = 4096  # ranks named in one side-channel request or reply
 MAX_SIDE_REQUEST_BYTES = 64 << 10
@@ -405,7 +407,32 @@ class Heartbeat(_Msg, frozen=True, tag="hb"):
     generation: U64
 
 
-Msg = ReadDone | WriteDone | Abort | Failed | LeaseRenew | Heartbeat
+BlockIds = Annotated[
+    tuple[Annotated[int, Meta(ge=0, le=1 << 40)], ...], Meta(max_length=MAX_PUSH_IDS)
+]
+
+
+class PushRequest(_Msg, frozen=True, tag="pr"):
+    """Push mode: consumer rank ``consumer_rank`` asks a producer rank to WRITE a request.
+
+    ``consumer_address`` is the consumer engine's side channel (the producer fetches its
+    records there on first contact). ``*_block_ids`` are logical ids as in
+    :func:`kvxfer.plan.plan_request` (``local`` = the consumer's).
+    """
+
+    request_id: RequestId
+    generation: U64
+    consumer_address: Name
+    consumer_rank: SmallInt
+    consumer_size: SmallInt
+    local_block_ids: BlockIds
+    remote_block_ids: BlockIds
+    local_state_ids: BlockIds | None = None
+    remote_state_ids: BlockIds | None = None
+    num_cached_blocks: SmallInt = 0
+
+
+Msg = ReadDone | WriteDone | Abort | Failed | LeaseRenew | Heartbeat | PushRequest
 _MSG = msgspec.msgpack.Decoder(Msg)
 
 

@@ -56,7 +56,7 @@ def _supported(layout: str, bsr: int) -> bool:
     return bsr == 1 or layout not in ("mamba2_hybrid", "gdn_hybrid", "mla")
 
 
-def _run(layout: str, tp: tuple[int, int], bsr: int) -> None:
+def _run(layout: str, tp: tuple[int, int], bsr: int, write: bool = False) -> None:
     preset, kind = LAYOUTS[layout]
     opts = DemoOptions(
         preset=preset,
@@ -70,6 +70,7 @@ def _run(layout: str, tp: tuple[int, int], bsr: int) -> None:
         blocks_per_request=5,
         inflight=3,
         timeout_s=90,
+        write=write,
     )
     s = run_demo(opts)
     assert s["failed"] == []
@@ -86,6 +87,21 @@ def test_transfer_ci(layout: str, tp: tuple[int, int], bsr: int) -> None:
     _run(layout, tp, bsr)
 
 
+# push mode (WRITE): one case per layout family, fan-in, fan-out and bsr 2
+CI_WRITE_CASES = [
+    ("split_kv", (2, 4), 2),
+    ("packed", (4, 2), 1),
+    ("mla", (1, 2), 1),
+    ("gdn_hybrid", (1, 2), 1),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("layout", "tp", "bsr"), CI_WRITE_CASES)
+def test_push_write_ci(layout: str, tp: tuple[int, int], bsr: int) -> None:
+    _run(layout, tp, bsr, write=True)
+
+
 FULL = [
     (lay, tp, b)
     for lay, tp, b in itertools.product(LAYOUTS, TP_PAIRS, BSR)
@@ -94,6 +110,7 @@ FULL = [
 
 
 @pytest.mark.full
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
 @pytest.mark.parametrize(("layout", "tp", "bsr"), FULL)
-def test_transfer_full(layout: str, tp: tuple[int, int], bsr: int) -> None:
-    _run(layout, tp, bsr)
+def test_transfer_full(layout: str, tp: tuple[int, int], bsr: int, write: bool) -> None:
+    _run(layout, tp, bsr, write)

@@ -43,6 +43,11 @@ def add_demo_parser(subparsers: Any, handler: Any) -> None:
     p.add_argument(
         "--dense", action="store_true", help="dense (N, 3) lists instead of strided (N, 5)"
     )
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help="push mode: the producer WRITEs (default: consumer READs)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     p.set_defaults(handler=handler)
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         inflight=args.inflight,
         seed=args.seed,
         strided=not args.dense,
+        write=args.write,
     )
     console = Console()
     try:
@@ -90,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
 def _table(s: dict[str, Any]) -> Table:
     o = s["options"]
     fc = s["first_contact_ms"]
-    t = Table(title=f"kvxfer demo: {o['preset']}  TP {o['producer_tp']} -> {o['consumer_tp']}")
+    mode = "WRITE (push)" if o["write"] else "READ (pull)"
+    t = Table(
+        title=f"kvxfer demo: {o['preset']}  TP {o['producer_tp']} -> {o['consumer_tp']}  {mode}"
+    )
     t.add_column("metric")
     t.add_column("value", justify="right")
     rows = [
