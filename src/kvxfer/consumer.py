@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from .engine import U8, EngineConfig, RankCache, RequestState, new_generation
 from .errors import DeadlineError, KvxferError, LayoutError, PeerLostError, TransferError
+from .liveness import PeerMonitor
 from .nixl_backend import PreparedList, XferHandle, XferOp, XferState
 from .pairing import PeerPlan, pair_layouts
 from .pattern import relayout_bsr
@@ -26,6 +27,7 @@ from .plan import plan_request
 from .schema import (
     Abort,
     Failed,
+    LeaseRenew,
     PushRequest,
     ReadDone,
     WriteDone,
@@ -84,6 +86,7 @@ class Transfer:
     error: KvxferError | None = None
     started_at: float = field(default_factory=time.perf_counter)
     posted_at: float = 0.0
+    renewed_at: float = 0.0
     finished_at: float = 0.0
     num_descriptors: int = 0
     num_bytes: int = 0
@@ -170,6 +173,15 @@ class Consumer:
         self._done: dict[str, set[tuple[int, int]]] = {}  # push: WriteDone seen per request
         self._failed: dict[str, str] = {}  # push: Failed notices per request
         self.num_rejected = 0
+        self._monitor = PeerMonitor(self.compat_hash, config.heartbeat_s, self._on_peer_lost)
+
+    def _on_peer_lost(self, address: str, reason: str) -> None:
+        """Heartbeat verdict: the producer at ``address`` died or restarted."""
+        with self._lock:
+            peer = self._peers.get(address)
+        if peer is not None:
+            peer.error = PeerLostError(f"{address}: {reason}")
+            self._drop_peer(peer)
 
     @property
     def address(self) -> str:
@@ -236,6 +248,7 @@ class Consumer:
                 "build": t3 - t2,
                 "prepare": t4 - t3,
             }
+            self._monitor.watch(peer.address, peer.generation)
         except KvxferError as e:
             peer.error = e
             with self._lock:
@@ -249,6 +262,7 @@ class Consumer:
         with self._lock:
             if self._peers.get(peer.address) is peer:
                 del self._peers[peer.address]
+                self._monitor.forget(peer.address)
         for cache in self.ranks.values():
             for agent in peer.agents.values():
                 try:
@@ -354,6 +368,7 @@ class Consumer:
                     self._done.pop(t.request_id, None)
                     self._finish(t)
                 return t.state
+            self._renew(t)
             pending = []
             for d, x in t.xfers:
                 if self.ranks[d].backend.poll(x) is XferState.IN_PROGRESS:
@@ -366,6 +381,17 @@ class Consumer:
         except KvxferError as e:
             self._fail(t, e)
         return t.state
+
+    def _renew(self, t: Transfer) -> None:
+        """Renew the producer's lease on a request still in flight, every heartbeat_s."""
+        now = time.perf_counter()
+        if now - max(t.posted_at, t.renewed_at) < self.config.heartbeat_s:
+            return
+        t.renewed_at = now
+        msg = encode_msg(LeaseRenew((t.request_id,), t.peer.generation))
+        for d in t.ranks:
+            for agent in set(t.peer.agents.values()):
+                self.ranks[d].backend.send_notif(agent, msg)
 
     def _post(self, t: Transfer) -> None:
         peer = t.peer
@@ -474,6 +500,9 @@ class Consumer:
 
     def close(self) -> None:
         """Release every agent and deregister memory. Idempotent."""
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:
+            monitor.close()
         server = getattr(self, "server", None)
         if server is not None:
             server.stop()
