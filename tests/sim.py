@@ -69,7 +69,10 @@ def run_case(
     remotes = {
         r: alloc(remote_spec.with_rank(r), True, state_ids) for r in range(remote_spec.tp_size)
     }
-    peer = pair_layouts(local.layout, {r: c.layout for r, c in remotes.items()})
+    runs = int(kw.pop("max_run_blocks", 1))  # type: ignore[call-overload]
+    peer = pair_layouts(
+        local.layout, {r: c.layout for r, c in remotes.items()}, max_run_blocks=runs
+    )
     req = plan_request(peer, local_ids, remote_ids, **kw)  # type: ignore[arg-type]
     transfer(peer, req, local, remotes)
     relayout_bsr(local_spec, local.bufs, local_ids, peer.kernel_bsr)

@@ -229,7 +229,11 @@ class Consumer:
                     cache.backend.add_remote(rec.agent_metadata)
             peer.agents = names
             t2 = time.perf_counter()
-            peer.plans = {d: pair_layouts(c.layout, layouts) for d, c in self.ranks.items()}
+            runs = self.config.run_blocks
+            peer.plans = {
+                d: pair_layouts(c.layout, layouts, max_run_blocks=runs)
+                for d, c in self.ranks.items()
+            }
             t3 = time.perf_counter()
             for d, plan in peer.plans.items():
                 backend = self.ranks[d].backend

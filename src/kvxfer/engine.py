@@ -51,6 +51,8 @@ class EngineConfig:
         handshake_timeout_s: side-channel fetch timeout.
         strided: prepare strided (N, 5) lists; False forces the dense (N, 3) fallback.
         heartbeat_s: interval of consumer lease renewals / liveness checks.
+        max_run_blocks: longest run of blocks (contiguous on both sides) moved by one
+            descriptor (run rows, strided lists only; 1 disables coalescing).
     """
 
     engine_id: str
@@ -64,6 +66,12 @@ class EngineConfig:
     handshake_timeout_s: float = 5.0
     strided: bool = True
     heartbeat_s: float = 1.0
+    max_run_blocks: int = 256
+
+    @property
+    def run_blocks(self) -> int:
+        """Run rows in use: only with strided lists (dense lists would grow per level)."""
+        return self.max_run_blocks if self.strided else 1
 
     def compat_hash(self, spec: LayoutSpec) -> str:
         return compat_hash(

@@ -15,12 +15,12 @@ import numpy as np
 import numpy.typing as npt
 
 from ._intmath import exact_div
-from .descriptors import U64, row_starts, strided_rows
+from .descriptors import ADDR, COUNT, LEN, STRIDE, U64, row_starts, strided_rows
 from .errors import IncompatibleError, LayoutError
 from .layout import CacheLayout, Shard, TokenLayout, View, ViewKind
 from .tp import Source, TpPlan, plan_tp
 
-__all__ = ["PeerPlan", "SourcePlan", "pair_layouts"]
+__all__ = ["PeerPlan", "SourcePlan", "pair_layouts", "with_run_rows"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -35,6 +35,13 @@ class SourcePlan:
         row_sub: ``(R,) int64`` block-size-ratio sub-block ``k`` of each ATTN row (0 for STATE).
         row_is_state: ``(R,) bool``.
         local_starts, remote_starts: ``(R + 1,) int64`` flat index of block 0 of each row.
+        num_base_rows: rows ``[0, num_base_rows)`` hold one block per descriptor. The rows
+            after them are *run rows*: for a base row dense on both sides
+            (``stride == len``), level ``k`` repeats it with ``len * 2**k`` and
+            ``count - 2**k + 1``, so a run of ``2**k`` blocks contiguous on both sides
+            moves as one descriptor (see :func:`with_run_rows`). ``run_rows[j, k, p]`` is
+            the row of base row ``j`` at level ``k``, phase ``p`` (``run_rows[j, 0, 0] == j``;
+            -1 where absent).
     """
 
     rank: int
@@ -43,10 +50,17 @@ class SourcePlan:
     row_view: npt.NDArray[np.int64]
     row_sub: npt.NDArray[np.int64]
     row_is_state: npt.NDArray[np.bool_]
+    num_base_rows: int = -1
+    run_rows: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros((0, 1, 1), np.int64))
     local_starts: npt.NDArray[np.int64] = field(init=False)
     remote_starts: npt.NDArray[np.int64] = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.num_base_rows < 0:
+            object.__setattr__(self, "num_base_rows", int(self.local_rows.shape[0]))
+        if self.run_rows.shape[0] != self.num_base_rows:
+            ident = np.arange(self.num_base_rows, dtype=np.int64)[:, None, None]
+            object.__setattr__(self, "run_rows", ident)
         object.__setattr__(self, "local_starts", row_starts(self.local_rows))
         object.__setattr__(self, "remote_starts", row_starts(self.remote_rows))
 
@@ -184,12 +198,17 @@ def _check_sliceable(
             )
 
 
-def pair_layouts(local: CacheLayout, remotes: Mapping[int, CacheLayout]) -> PeerPlan:
+def pair_layouts(
+    local: CacheLayout, remotes: Mapping[int, CacheLayout], *, max_run_blocks: int = 1
+) -> PeerPlan:
     """Plan how ``local`` reads the remote engine whose rank layouts are ``remotes``.
 
     Args:
         local: this rank's layout.
         remotes: remote rank -> layout; must hold every source rank of the TP plan.
+        max_run_blocks: longest run of blocks (contiguous on both sides) that one
+            descriptor may carry; powers of two up to it get run rows (1: none). Run
+            rows are free as strided rows; do not use them with dense (N, 3) lists.
 
     Returns:
         The :class:`PeerPlan` with matched rows per source rank.
@@ -244,7 +263,8 @@ def pair_layouts(local: CacheLayout, remotes: Mapping[int, CacheLayout]) -> Peer
     for src in plan.sources:
         if src.rank not in remotes:
             raise LayoutError(f"no record for remote rank {src.rank} (have {sorted(remotes)})")
-        sources.append(_source_plan(src, local, remotes[src.rank], plan, kbsr))
+        base = _source_plan(src, local, remotes[src.rank], plan, kbsr)
+        sources.append(with_run_rows(base, max_run_blocks))
     return PeerPlan(
         plan,
         tuple(sources),
@@ -285,4 +305,58 @@ def _source_plan(
         np.array(cols[10], dtype=np.int64),
         np.array(cols[11], dtype=np.int64),
         np.array(cols[12], dtype=np.bool_),
+    )
+
+
+def with_run_rows(src: SourcePlan, max_run_blocks: int) -> SourcePlan:
+    """Return ``src`` with run rows of ``2**k <= max_run_blocks`` blocks for dense rows.
+
+    NIXL refuses strided rows whose descriptors overlap (``stride < len``), so a level
+    ``k`` is ``w = 2**k`` non-overlapping rows, one per phase ``p < w``: descriptor ``i``
+    of row ``(k, p)`` covers blocks ``p + i*w .. p + i*w + w - 1`` (``len * w`` bytes,
+    stride ``stride * w``). A run starting at block ``b`` uses phase ``b % w``, index
+    ``b // w``. Rows per dense base row: ``2 * max_run_blocks - 1``. A level is built
+    only where both sides hold ``2*w - 1`` blocks, so every phase row exists on both.
+    """
+    if max_run_blocks < 1:
+        raise LayoutError(f"max_run_blocks must be >= 1, got {max_run_blocks}")
+    loc, rem = src.local_rows, src.remote_rows
+    dense = (loc[:, STRIDE] == loc[:, LEN]) & (rem[:, STRIDE] == rem[:, LEN])
+    counts = np.minimum(loc[:, COUNT], rem[:, COUNT]).astype(np.int64)
+    max_level = max_run_blocks.bit_length() - 1
+    width = 1 << max_level
+    run_rows = np.full((src.num_rows, max_level + 1, width), -1, dtype=np.int64)
+    run_rows[:, 0, 0] = np.arange(src.num_rows)
+    extra_l: list[U64] = []
+    extra_r: list[U64] = []
+    extra_j: list[npt.NDArray[np.int64]] = []
+    next_row = src.num_rows
+    for k in range(1, max_level + 1):
+        w = 1 << k
+        js = np.flatnonzero(dense & (counts >= 2 * w - 1))  # every phase has >= 1 descriptor
+        if not js.size:
+            break
+        for p in range(w):
+            for rows, out in ((loc, extra_l), (rem, extra_r)):
+                wide = rows[js].copy()  # (n, 5)
+                wide[:, ADDR] += np.uint64(p) * wide[:, LEN]
+                wide[:, COUNT] = (wide[:, COUNT] - np.uint64(p)) // np.uint64(w)
+                wide[:, LEN] *= np.uint64(w)
+                wide[:, STRIDE] *= np.uint64(w)
+                out.append(wide)
+            run_rows[js, k, p] = next_row + np.arange(js.size)
+            next_row += js.size
+            extra_j.append(js)
+    if not extra_j:
+        return src
+    js = np.concatenate(extra_j)
+    return SourcePlan(
+        src.rank,
+        np.ascontiguousarray(np.vstack([loc, *extra_l])),
+        np.ascontiguousarray(np.vstack([rem, *extra_r])),
+        np.concatenate([src.row_view, src.row_view[js]]),
+        np.concatenate([src.row_sub, src.row_sub[js]]),
+        np.concatenate([src.row_is_state, src.row_is_state[js]]),
+        src.num_rows,
+        run_rows,
     )

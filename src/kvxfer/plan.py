@@ -41,6 +41,11 @@ class SourceIds:
     local_ids: I64
     remote_ids: I64
     num_runs: int  # descriptors left after merging runs contiguous on both sides
+    num_block_descriptors: int = -1  # one per block before run rows were used
+
+    def __post_init__(self) -> None:
+        if self.num_block_descriptors < 0:
+            object.__setattr__(self, "num_block_descriptors", int(self.local_ids.size))
 
     @property
     def num_descriptors(self) -> int:
@@ -61,6 +66,10 @@ class RequestPlan:
     @property
     def num_runs(self) -> int:
         return sum(s.num_runs for s in self.sources)
+
+    @property
+    def num_block_descriptors(self) -> int:
+        return sum(s.num_block_descriptors for s in self.sources)
 
 
 def _as_ids(ids: npt.ArrayLike, num_blocks: int, what: str) -> I64:
@@ -96,9 +105,52 @@ def _count_runs(src: SourcePlan, rows: I64, local: I64, remote: I64) -> int:
     return int(local.size - np.count_nonzero(joins))
 
 
+def _coalesce(src: SourcePlan, rows: I64, local: I64, remote: I64) -> tuple[I64, I64]:
+    """Replace runs of blocks contiguous on both sides by run-row descriptors.
+
+    A run of ``n`` blocks of base row ``j`` becomes ``n >> L`` descriptors of ``2**L``
+    blocks (``L`` = the row's top run level) plus one per set bit of the remainder,
+    largest first. Order stays view-major. ``(N,) -> (M,)`` with ``M <= N``.
+    """
+    top = (src.run_rows[:, :, 0] >= 0).sum(axis=1) - 1  # (B,) top run level of each base row
+    if local.size < 2 or not top.any():
+        return local, remote
+    joins = (
+        (rows[1:] == rows[:-1])
+        & (np.diff(local) == 1)
+        & (np.diff(remote) == 1)
+        & (top[rows[1:]] > 0)
+    )
+    starts = np.flatnonzero(np.concatenate([[True], ~joins]))  # first element of each run
+    lengths = np.diff(np.append(starts, local.size))
+    lvl_top = top[rows[starts]]
+    width = np.int64(1) << lvl_top
+    q, rem = lengths >> lvl_top, lengths & (width - 1)
+    # q full-width pieces per run, at start + i * width
+    first = np.cumsum(q) - q
+    i = np.arange(int(q.sum()), dtype=np.int64) - np.repeat(first, q)
+    pos = [np.repeat(starts, q) + i * np.repeat(width, q)]
+    lvl = [np.repeat(lvl_top, q)]
+    for k in range(int(top.max()), -1, -1):  # remainder bits, largest piece first
+        has = ((rem >> k) & 1).astype(bool)
+        pos.append((starts + q * width + ((rem >> (k + 1)) << (k + 1)))[has])
+        lvl.append(np.full(int(has.sum()), k, dtype=np.int64))
+    p, lv = np.concatenate(pos), np.concatenate(lvl)
+    order = np.argsort(p, kind="stable")
+    p, lv = p[order], lv[order]
+    base, w = rows[p], np.int64(1) << lv
+    bl = local[p] - src.local_starts[base]  # block index within the base row, each side
+    br = remote[p] - src.remote_starts[base]
+    # phase rows: block b at level k sits in row (k, b % w) at index b // w
+    new_local = src.local_starts[src.run_rows[base, lv, bl % w]] + bl // w
+    new_remote = src.remote_starts[src.run_rows[base, lv, br % w]] + br // w
+    return new_local, new_remote
+
+
 def _source_ids(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64, kbsr: int) -> SourceIds:
-    attn = np.flatnonzero(~src.row_is_state)
-    state = np.flatnonzero(src.row_is_state)
+    base_rows = np.arange(src.num_rows) < src.num_base_rows
+    attn = np.flatnonzero(~src.row_is_state & base_rows)
+    state = np.flatnonzero(src.row_is_state & base_rows)
     parts_l, parts_r, parts_row = [], [], []
     if attn.size and lk.size:
         # (Ra, N): row j, local kernel position i -> remote position i*kbsr + sub[j]
@@ -117,7 +169,9 @@ def _source_ids(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64, kbsr: int) 
         empty = np.zeros(0, dtype=np.int64)
         return SourceIds(src.rank, empty, empty, 0)
     local, remote, rows = (np.concatenate(p) for p in (parts_l, parts_r, parts_row))
-    return SourceIds(src.rank, local, remote, _count_runs(src, rows, local, remote))
+    runs = _count_runs(src, rows, local, remote)
+    new_local, new_remote = _coalesce(src, rows, local, remote)
+    return SourceIds(src.rank, new_local, new_remote, runs, int(local.size))
 
 
 def plan_request(

@@ -82,6 +82,7 @@ class Producer:
                 config.handshake_timeout_s,
                 self._on_written,
                 strided=config.strided,
+                run_blocks=config.run_blocks,
             )
         except BaseException:
             self.close()

@@ -56,6 +56,7 @@ class PushWorker:
         timeout_s: float,
         on_written: Callable[[str, int, int, int], None],
         strided: bool = True,
+        run_blocks: int = 1,
     ) -> None:
         self._ranks = ranks
         self._generation = generation
@@ -63,6 +64,7 @@ class PushWorker:
         self._timeout_s = timeout_s
         self._on_written = on_written
         self._strided = strided
+        self._run_blocks = run_blocks
         self._jobs: queue.Queue[tuple[int, PushRequest] | None] = queue.Queue()
         self._peers: dict[str, _ConsumerPeer] = {}
         self._writes: list[tuple[int, PushRequest, XferHandle, str]] = []
@@ -102,7 +104,8 @@ class PushWorker:
         for cache in self._ranks.values():
             for rec in recs:
                 cache.backend.add_remote(rec.agent_metadata)
-        plans = {d: pair_layouts(lay, mine) for d, lay in layouts.items()}
+        runs = self._run_blocks
+        plans = {d: pair_layouts(lay, mine, max_run_blocks=runs) for d, lay in layouts.items()}
         peer = self._peers[address] = _ConsumerPeer({r.tp_rank: r.agent_name for r in recs}, plans)
         return peer
 

@@ -307,15 +307,20 @@ def test_plan_invariants(case: Case) -> None:
     check_case(case)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=valid_cases(tiny=True))
-def test_bytes_arrive(case: Case) -> None:
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=valid_cases(tiny=True), max_run=st.sampled_from([1, 2, 3, 8, 64]), sort=st.booleans())
+def test_bytes_arrive(case: Case, max_run: int, sort: bool) -> None:
+    lids, rids = list(case.lids), list(case.rids)
+    if sort:  # ascending ids make runs contiguous on both sides: exercises run rows
+        lids, rids = sorted(lids), sorted(rids)
     for d in range(case.local.tp_size):
         bad, req, _ = run_case(
-            case.local.with_rank(d), case.remote, list(case.lids), list(case.rids), **case.kw
+            case.local.with_rank(d), case.remote, lids, rids, max_run_blocks=max_run, **case.kw
         )
         assert bad == 0, f"local rank {d}: {bad} bytes differ"
-        assert req.num_runs <= req.num_descriptors
+        assert req.num_runs <= req.num_descriptors <= req.num_block_descriptors
+        if max_run == 1:
+            assert req.num_descriptors == req.num_block_descriptors
 
 
 # ---------------------------------------------------------------- combinations to refuse

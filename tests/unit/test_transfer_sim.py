@@ -181,3 +181,45 @@ def test_local_kernel_smaller_than_remote_refused() -> None:
             [1],
             [2],
         )
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [AttnKind.SPLIT_KV, AttnKind.BLOCKS_FIRST, AttnKind.PACKED, AttnKind.MLA, AttnKind.CROSS_LAYER],
+)
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 1), (1, 2), (2, 1), (2, 2)])
+@pytest.mark.parametrize("max_run", [2, 4, 16])
+def test_run_rows_coalesce_contiguous_runs(
+    kind: AttnKind, tp_p: int, tp_d: int, max_run: int
+) -> None:
+    """Runs contiguous on both sides move as fewer, longer descriptors; bytes stay exact."""
+    if kind is AttnKind.CROSS_LAYER and tp_p != tp_d:
+        return
+    lids = [0, 1, 2, 3, 4, 5, 6, 9, 10, 11]  # runs of 7 and 3 on the local side
+    rids = [2, 3, 4, 5, 6, 7, 8, 1, 0, 11]  # runs of 7, then 1, 1, 1
+    for d in range(tp_d):
+        bad, req, _ = run_case(
+            spec(kind, tp_d, nb=16).with_rank(d),
+            spec(kind, tp_p, nb=16),
+            lids,
+            rids,
+            max_run_blocks=max_run,
+        )
+        assert bad == 0
+        assert req.num_descriptors <= req.num_block_descriptors
+        dense_both = kind is not AttnKind.BLOCKS_FIRST and (tp_p == tp_d or kind is AttnKind.MLA)
+        if dense_both:  # 7 = 4+2+1 (or 2+2+2+1 at max 2), then 3 singles
+            per_view = {2: 4 + 3, 4: 3 + 3, 16: 3 + 3}[max_run]
+            assert req.num_descriptors == per_view * (req.num_block_descriptors // len(lids))
+        else:
+            assert req.num_descriptors == req.num_block_descriptors
+
+
+def test_run_rows_with_unequal_pool_sizes() -> None:
+    """Run rows exist on both sides for every phase even when pools differ in size."""
+    local, remote = spec(AttnKind.SPLIT_KV, 1, nb=40), spec(AttnKind.SPLIT_KV, 1, nb=7)
+    for lids, rids in (([30, 31, 32, 33], [0, 1, 2, 3]), ([2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6])):
+        bad, req, peer = run_case(local, remote, lids, rids, max_run_blocks=8)
+        assert bad == 0
+        assert req.num_descriptors < req.num_block_descriptors
+        assert (peer.sources[0].run_rows[:, 3, :] == -1).all()  # 8-block level needs 15 blocks
