@@ -93,6 +93,8 @@ class Transfer:
     xfers: list[tuple[int, XferHandle]] = field(default_factory=list)  # (local rank, handle)
     notify: list[tuple[int, str]] = field(default_factory=list)  # (local rank, agent)
     expected: set[tuple[int, int]] = field(default_factory=set)  # push: (local, producer rank)
+    generation: int | None = None  # the producer incarnation that holds the request's blocks
+    rechecked: bool = False
 
     def poll(self) -> RequestState:
         """Advance the request and return its state (terminal states stay put)."""
@@ -121,7 +123,7 @@ class Transfer:
         return (self.finished_at or time.perf_counter()) - self.started_at
 
 
-def _num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int64]) -> int:
+def _num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int32]) -> int:
     """Bytes moved by descriptors ``local_ids`` of source ``rank``'s local list."""
     src = next(s for s in plan.sources if s.rank == rank)
     starts = np.searchsorted(src.local_starts, local_ids, side="right") - 1  # row of each id
@@ -288,16 +290,20 @@ class Consumer:
         num_cached_blocks: int = 0,
         ranks: Sequence[int] | None = None,
         deadline_s: float | None = None,
+        generation: int | None = None,
     ) -> Transfer:
         """Start reading a request's blocks from the producer at ``address`` (pull mode).
 
         Returns at once; ids are validated against both pools when the request is
         posted (a bad id ends the request FAILED with a LayoutError). ``ranks``
-        selects local ranks (default: all hosted ranks).
+        selects local ranks (default: all hosted ranks). ``generation`` (the
+        producer's :attr:`~kvxfer.producer.Producer.generation` when it prefilled the
+        request) pins the request to that incarnation: after a producer restart it
+        ends PEER_LOST instead of reading another process's blocks.
         """
         return self._request(
             XferOp.READ, request_id, address, local_block_ids, remote_block_ids,
-            local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s,
+            local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s, generation,
         )  # fmt: skip
 
     def push(
@@ -312,6 +318,7 @@ class Consumer:
         num_cached_blocks: int = 0,
         ranks: Sequence[int] | None = None,
         deadline_s: float | None = None,
+        generation: int | None = None,
     ) -> Transfer:
         """Ask the producer at ``address`` to WRITE a request into these local blocks (push).
 
@@ -320,7 +327,7 @@ class Consumer:
         """
         return self._request(
             XferOp.WRITE, request_id, address, local_block_ids, remote_block_ids,
-            local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s,
+            local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s, generation,
         )  # fmt: skip
 
     def _request(
@@ -335,6 +342,7 @@ class Consumer:
         num_cached_blocks: int,
         ranks: Sequence[int] | None,
         deadline_s: float | None,
+        generation: int | None,
     ) -> Transfer:
         chosen = tuple(self.ranks) if ranks is None else tuple(ranks)
         for d in chosen:
@@ -349,6 +357,7 @@ class Consumer:
         return Transfer(
             request_id, self, self._peer(address), deadline,
             np.asarray(local_block_ids), np.asarray(remote_block_ids), kwargs, chosen, op,
+            generation=generation,
         )  # fmt: skip
 
     def _advance(self, t: Transfer) -> RequestState:
@@ -362,6 +371,16 @@ class Consumer:
                     return t.state
                 if t.peer.error is not None:
                     raise t.peer.error
+                if t.generation is not None and t.generation != t.peer.generation:
+                    if not t.rechecked:  # maybe a restart we have not noticed yet: ask again
+                        t.rechecked = True
+                        self._drop_peer(t.peer)
+                        t.peer = self._peer(t.peer.address)
+                        return t.state
+                    raise PeerLostError(
+                        f"request {t.request_id!r} was prefilled by generation {t.generation:x}; "
+                        f"{t.peer.address} now runs generation {t.peer.generation:x}"
+                    )
                 self._post(t)
             if t.op is XferOp.WRITE:
                 self._drain()

@@ -60,6 +60,13 @@ class LeaseTable:
     def _push(self, request_id: str, expires_at: float) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (expires_at, self._seq, request_id))
+        if len(self._heap) > 2 * len(self._entries) + 64:  # mostly stale items: rebuild
+            self._heap = [
+                (e.expires_at, seq, rid)
+                for seq, (rid, e) in enumerate(self._entries.items(), self._seq + 1)
+            ]
+            self._seq += len(self._entries)
+            heapq.heapify(self._heap)
 
     def hold(
         self, request_id: str, num_blocks: int, now: float, lease_s: float | None = None
@@ -94,10 +101,10 @@ class LeaseTable:
         entry = self._entries.get(request_id)
         if entry is None:
             return False
-        entry.expires_at = max(
-            entry.expires_at, now + (self.default_lease_s if lease_s is None else lease_s)
-        )
-        self._push(request_id, entry.expires_at)
+        expires = now + (self.default_lease_s if lease_s is None else lease_s)
+        if expires > entry.expires_at:  # a lease never shortens; unchanged needs no heap item
+            entry.expires_at = expires
+            self._push(request_id, expires)
         return True
 
     def abort(self, request_id: str) -> bool:

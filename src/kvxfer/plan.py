@@ -19,7 +19,10 @@ Id expansion rules:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,21 +34,34 @@ from .pairing import PeerPlan, SourcePlan
 __all__ = ["RequestPlan", "SourceIds", "expand_ids", "plan_request"]
 
 I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]  # descriptor indices, as NIXL takes them
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SourceIds:
-    """Descriptor indices of one request for one source rank (equal lengths, view-major)."""
+    """Descriptor indices of one request for one source rank (equal lengths, view-major).
+
+    ``local_ids`` and ``remote_ids`` are ``(M,) int32`` (NIXL's index type).
+    """
 
     rank: int
-    local_ids: I64
-    remote_ids: I64
-    num_runs: int  # descriptors left after merging runs contiguous on both sides
+    local_ids: I32
+    remote_ids: I32
+    count_runs: int | Callable[[], int] = 0  # an int, or a (cached) function computing it
     num_block_descriptors: int = -1  # one per block before run rows were used
 
     def __post_init__(self) -> None:
         if self.num_block_descriptors < 0:
             object.__setattr__(self, "num_block_descriptors", int(self.local_ids.size))
+
+    @property
+    def num_runs(self) -> int:
+        """Descriptors left if every run contiguous on both sides merged into one.
+
+        Computed on first use (it is reporting, not on the transfer path).
+        """
+        c = self.count_runs
+        return c if isinstance(c, int) else c()
 
     @property
     def num_descriptors(self) -> int:
@@ -92,7 +108,9 @@ def expand_ids(logical_ids: I64, ppl: int) -> I64:
     return (logical_ids[:, None] * ppl + np.arange(ppl, dtype=np.int64)[None, :]).ravel()
 
 
-def _count_runs(src: SourcePlan, rows: I64, local: I64, remote: I64) -> int:
+def _count_runs(
+    src: SourcePlan, rows: I64, local: npt.NDArray[Any], remote: npt.NDArray[Any]
+) -> int:
     """Descriptors after merging neighbours contiguous in memory on both sides."""
     if local.size == 0:
         return 0
@@ -105,7 +123,9 @@ def _count_runs(src: SourcePlan, rows: I64, local: I64, remote: I64) -> int:
     return int(local.size - np.count_nonzero(joins))
 
 
-def _coalesce(src: SourcePlan, rows: I64, local: I64, remote: I64) -> tuple[I64, I64]:
+def _coalesce(
+    src: SourcePlan, rows: I64, local: npt.NDArray[Any], remote: npt.NDArray[Any]
+) -> tuple[I32, I32]:
     """Replace runs of blocks contiguous on both sides by run-row descriptors.
 
     A run of ``n`` blocks of base row ``j`` becomes ``n >> L`` descriptors of ``2**L``
@@ -114,7 +134,8 @@ def _coalesce(src: SourcePlan, rows: I64, local: I64, remote: I64) -> tuple[I64,
     """
     top = (src.run_rows[:, :, 0] >= 0).sum(axis=1) - 1  # (B,) top run level of each base row
     if local.size < 2 or not top.any():
-        return local, remote
+        return local.astype(np.int32), remote.astype(np.int32)
+    local, remote = local.astype(np.int64), remote.astype(np.int64)
     joins = (
         (rows[1:] == rows[:-1])
         & (np.diff(local) == 1)
@@ -144,7 +165,7 @@ def _coalesce(src: SourcePlan, rows: I64, local: I64, remote: I64) -> tuple[I64,
     # phase rows: block b at level k sits in row (k, b % w) at index b // w
     new_local = src.local_starts[src.run_rows[base, lv, bl % w]] + bl // w
     new_remote = src.remote_starts[src.run_rows[base, lv, br % w]] + br // w
-    return new_local, new_remote
+    return new_local.astype(np.int32), new_remote.astype(np.int32)
 
 
 def _source_ids(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64, kbsr: int) -> SourceIds:
@@ -152,7 +173,13 @@ def _source_ids(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64, kbsr: int) 
     attn = np.flatnonzero(~src.row_is_state & base_rows)
     state = np.flatnonzero(src.row_is_state & base_rows)
     parts_l, parts_r, parts_row = [], [], []
-    if attn.size and lk.size:
+    if attn.size and lk.size and kbsr == 1 and rk.size == lk.size:  # common case: no clip
+        # int32: what NIXL takes (prepared lists never exceed 2**31 - 1 descriptors)
+        i32 = np.int32
+        parts_l.append((src.local_starts[attn].astype(i32)[:, None] + lk.astype(i32)).ravel())
+        parts_r.append((src.remote_starts[attn].astype(i32)[:, None] + rk.astype(i32)).ravel())
+        parts_row.append(np.broadcast_to(attn[:, None], (attn.size, lk.size)))  # raveled lazily
+    elif attn.size and lk.size:
         # (Ra, N): row j, local kernel position i -> remote position i*kbsr + sub[j]
         pos = np.arange(lk.size, dtype=np.int64)[None, :] * kbsr + src.row_sub[attn][:, None]
         keep = pos < rk.size
@@ -166,12 +193,23 @@ def _source_ids(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64, kbsr: int) 
         parts_r.append((src.remote_starts[state][:, None] + rs[None, :]).ravel())
         parts_row.append(np.repeat(state, ls.size))
     if not parts_l:
-        empty = np.zeros(0, dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int32)
         return SourceIds(src.rank, empty, empty, 0)
-    local, remote, rows = (np.concatenate(p) for p in (parts_l, parts_r, parts_row))
-    runs = _count_runs(src, rows, local, remote)
-    new_local, new_remote = _coalesce(src, rows, local, remote)
-    return SourceIds(src.rank, new_local, new_remote, runs, int(local.size))
+    local, remote = (
+        (p[0] if len(p) == 1 else np.concatenate(p)).astype(np.int32, copy=False)
+        for p in (parts_l, parts_r)
+    )
+
+    @functools.cache
+    def rows() -> I64:  # base row of each descriptor; only for run merging and reporting
+        return np.concatenate([r.ravel() for r in parts_row])
+
+    block_local, block_remote = local, remote  # one descriptor per block
+    runs = functools.cache(lambda: _count_runs(src, rows(), block_local, block_remote))
+    if src.run_rows.shape[1] > 1 and (src.run_rows[:, 1:, 0] >= 0).any():
+        merged_local, merged_remote = _coalesce(src, rows(), local, remote)
+        return SourceIds(src.rank, merged_local, merged_remote, runs, int(local.size))
+    return SourceIds(src.rank, local, remote, runs, int(local.size))
 
 
 def plan_request(

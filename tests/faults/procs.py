@@ -195,6 +195,17 @@ class ProducerProc:
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
+    def stop_process(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP and wait (bounded) until the kernel reports the process stopped."""
+        self.signal(signal.SIGSTOP)
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            with open(f"/proc/{self.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.001)
+        raise TimeoutError(f"producer {self.pid} did not stop")
+
     def kill(self) -> None:
         """SIGKILL and reap."""
         self.signal(signal.SIGKILL)

@@ -251,7 +251,7 @@ def check_case(case: Case) -> None:
         for src, ids in zip(peer.sources, req.sources, strict=True):
             dl, dr = dense_rows(src.local_rows), dense_rows(src.remote_rows)
             assert int(src.local_starts[-1]) == len(dl) and int(src.remote_starts[-1]) == len(dr)
-            assert ids.local_ids.dtype == np.int64 and ids.remote_ids.dtype == np.int64
+            assert ids.local_ids.dtype == np.int32 and ids.remote_ids.dtype == np.int32
             assert ids.local_ids.shape == ids.remote_ids.shape
             if ids.num_descriptors:
                 assert ids.local_ids.min() >= 0 and ids.local_ids.max() < len(dl)
