@@ -276,36 +276,57 @@ def pair_layouts(
     )
 
 
+def _view_columns(layout: CacheLayout) -> npt.NDArray[np.int64]:
+    """``(V, 5) int64``: addr of block 0, length, device, stride, count of every view."""
+    base = [(r.base_addr, r.device_id) for r in layout.regions]
+    return np.array(
+        [
+            (base[v.region][0] + v.offset, v.length, base[v.region][1], v.stride, v.count)
+            for v in layout.views
+        ],
+        dtype=np.uint64,
+    ).astype(np.int64, copy=False)
+
+
 def _source_plan(
     src: Source, local: CacheLayout, remote: CacheLayout, plan: TpPlan, kbsr: int
 ) -> SourcePlan:
-    cols: list[list[int]] = [[] for _ in range(13)]
+    # views of one shape pair identically: compute (and check) each distinct shape once
+    shapes: dict[tuple[object, ...], tuple[int, int, int] | None] = {}
+    sel: list[int] = []
+    pieces: list[tuple[int, int, int]] = []
     for i, (lv, rv) in enumerate(zip(local.views, remote.views, strict=True)):
-        piece = _piece(src, lv, rv, local, remote, plan, kbsr)
-        if piece is None:
-            continue
-        _check_sliceable(local, remote, lv, rv, piece, kbsr)
-        l_off, r_off, n = piece
-        subs = range(kbsr) if lv.kind is ViewKind.ATTN else range(1)
-        sub_len = lv.length // kbsr if lv.kind is ViewKind.ATTN else 0
-        for k in subs:
-            row = (
-                local.view_addr(i) + k * sub_len + l_off, n, local.regions[lv.region].device_id, lv.stride, lv.count,
-                remote.view_addr(i) + r_off, n, remote.regions[rv.region].device_id, rv.stride, rv.count,
-                i, k, int(lv.kind is ViewKind.STATE),
-            )  # fmt: skip
-            for c, x in zip(cols, row, strict=True):
-                c.append(x)
-    if not cols[0]:
+        key = (lv.length, lv.stride, lv.kind, lv.shard, rv.length)
+        if key not in shapes:
+            piece = _piece(src, lv, rv, local, remote, plan, kbsr)
+            if piece is not None:
+                _check_sliceable(local, remote, lv, rv, piece, kbsr)
+            shapes[key] = piece
+        piece = shapes[key]
+        if piece is not None:
+            sel.append(i)
+            pieces.append(piece)
+    if not sel:
         raise LayoutError(f"source rank {src.rank} reads no view")
-    return SourcePlan(
-        src.rank,
-        strided_rows(*cols[0:5]),
-        strided_rows(*cols[5:10]),
-        np.array(cols[10], dtype=np.int64),
-        np.array(cols[11], dtype=np.int64),
-        np.array(cols[12], dtype=np.bool_),
+    idx = np.array(sel, dtype=np.int64)
+    lcol, rcol = _view_columns(local)[idx], _view_columns(remote)[idx]  # (S, 5)
+    pc = np.array(pieces, dtype=np.int64)  # (S, 3): local offset, remote offset, length
+    is_state = np.array([local.views[i].kind is ViewKind.STATE for i in sel])
+    nsub = np.where(is_state, 1, kbsr)  # ATTN views split into kbsr sub-block rows
+    rep = np.repeat(np.arange(idx.size), nsub)  # (R,) selected view of each row
+    sub = np.arange(rep.size) - np.repeat(np.cumsum(nsub) - nsub, nsub)  # (R,) k of each row
+    sub_len = np.where(is_state, 0, lcol[:, 1] // kbsr)[rep]
+    local_rows = strided_rows(
+        lcol[rep, 0] + sub * sub_len + pc[rep, 0],
+        pc[rep, 2],
+        lcol[rep, 2],
+        lcol[rep, 3],
+        lcol[rep, 4],
     )
+    remote_rows = strided_rows(
+        rcol[rep, 0] + pc[rep, 1], pc[rep, 2], rcol[rep, 2], rcol[rep, 3], rcol[rep, 4]
+    )
+    return SourcePlan(src.rank, local_rows, remote_rows, idx[rep], sub, is_state[rep])
 
 
 def with_run_rows(src: SourcePlan, max_run_blocks: int) -> SourcePlan:

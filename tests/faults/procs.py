@@ -240,6 +240,7 @@ def make_consumer(
     engine_id: str = "decode",
     deadline_s: float = 30.0,
     handshake_timeout_s: float = 5.0,
+    heartbeat_s: float = 1.0,
 ) -> tuple[Any, list[tuple[LayoutSpec, list[Any]]]]:
     """A :class:`kvxfer.consumer.Consumer` over zeroed buffers; returns it and its ranks."""
     from kvxfer.consumer import Consumer
@@ -253,6 +254,7 @@ def make_consumer(
         model_name=MODEL,
         deadline_s=deadline_s,
         handshake_timeout_s=handshake_timeout_s,
+        heartbeat_s=heartbeat_s,
     )
     return Consumer(cfg, ranks), ranks
 

@@ -4,15 +4,17 @@
 - :func:`machine_info` / :func:`write_json`: a result document stamped with the machine.
 - :func:`dumps_json`: JSON with flat lists kept on one line (readable, diffable).
 - :func:`save_loglog_png`: a log-log line chart through matplotlib's Agg backend.
+- :func:`progress_bar`: a rich progress bar on stderr; :func:`markdown_table`: a GFM table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,9 @@ __all__ = [
     "fmt_seconds",
     "machine_info",
     "make_table",
+    "markdown_table",
     "print_table",
+    "progress_bar",
     "save_loglog_png",
     "write_json",
 ]
@@ -175,3 +179,36 @@ def save_loglog_png(
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, description: str) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar on stderr with ``total`` steps; yields ``advance(label)``.
+
+    Each ``advance(label)`` completes one step and shows ``label`` as the next task.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+    with progress:
+        task = progress.add_task(description, total=total)
+
+        def advance(label: str) -> None:
+            progress.update(task, advance=1, description=f"{description}: {label}")
+
+        yield advance
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub-flavoured markdown table; first column left-aligned, the rest right."""
+    head = "| " + " | ".join(columns) + " |"
+    rule = "|" + "|".join([":--"] + ["--:"] * (len(columns) - 1)) + "|"
+    body = ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join([head, rule, *body])

@@ -62,11 +62,79 @@ def add_bench_descriptors_parser(subparsers: Subparsers) -> None:
     p.set_defaults(handler=_run_bench_descriptors)
 
 
+def _bench_handler(module: str) -> Handler:
+    def handler(args: argparse.Namespace) -> int:
+        from importlib import import_module
+
+        run: Handler = import_module(f"kvxfer.bench.{module}").run
+        return run(args)
+
+    return handler
+
+
+def _add_bench_common(p: argparse.ArgumentParser, quick_help: str) -> None:
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--json", metavar="PATH", help="write results and machine info as JSON")
+    p.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+
+
+def add_bench_first_contact_parser(subparsers: Subparsers) -> None:
+    """``kvxfer bench first-contact``: address -> first verified bytes, strided vs dense."""
+    p = subparsers.add_parser(
+        "first-contact",
+        help="producer address -> first request verified (real NIXL, producer process), "
+        "strided vs dense lists",
+    )
+    _add_bench_common(p, "16 views, 1000 and 5000 blocks, one consumer per mode")
+    p.add_argument("--blocks", metavar="N", type=int, nargs="+", help="num_blocks per region")
+    p.add_argument("--repeat", type=int, default=None, help="consumers per mode (default 3)")
+    p.set_defaults(handler=_bench_handler("first_contact"))
+
+
+def add_bench_per_request_parser(subparsers: Subparsers) -> None:
+    """``kvxfer bench per-request``: CPU to plan, make and post one request."""
+    p = subparsers.add_parser(
+        "per-request",
+        help="CPU per request (plan ids, make_xfer, post, completion) by size, contiguity, TP",
+    )
+    _add_bench_common(p, "8 layers, 256 and 1024 tokens")
+    p.add_argument("--tokens", metavar="N", type=int, nargs="+", help="tokens per request")
+    p.add_argument("--repeat", type=int, default=5, help="median of R runs (default 5)")
+    p.set_defaults(handler=_bench_handler("per_request"))
+
+
+def add_bench_bandwidth_parser(subparsers: Subparsers) -> None:
+    """``kvxfer bench bandwidth``: cross-process READ/WRITE GB/s vs memcpy."""
+    p = subparsers.add_parser(
+        "bandwidth",
+        help="cross-process READ/WRITE GB/s vs descriptor size and run length, and memcpy",
+    )
+    _add_bench_common(p, "8 MiB per transfer, 2 runs per point")
+    p.add_argument("--repeat", type=int, default=None, help="median of R re-posts (default 5)")
+    p.set_defaults(handler=_bench_handler("bandwidth"))
+
+
+def add_bench_all_parser(subparsers: Subparsers) -> None:
+    """``kvxfer bench all``: every benchmark, JSON + PNG per benchmark, docs/benchmarks.md."""
+    p = subparsers.add_parser("all", help="run every benchmark; write JSON, PNG and markdown")
+    p.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
+    p.add_argument("--out-dir", default="docs/bench", help="JSON and PNG folder (docs/bench)")
+    p.add_argument("--md", default="docs/benchmarks.md", help="markdown page to regenerate")
+    p.add_argument("--no-md", action="store_true", help="do not write the markdown page")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    p.set_defaults(handler=_bench_handler("all"))
+
+
 def add_bench_parser(subparsers: Subparsers) -> None:
     """``kvxfer bench <name>``: reproducible benchmarks, one table each."""
     p = subparsers.add_parser("bench", help="run a benchmark")
     bench = p.add_subparsers(dest="bench_command", metavar="BENCH")
     add_bench_descriptors_parser(bench)
+    add_bench_first_contact_parser(bench)
+    add_bench_per_request_parser(bench)
+    add_bench_bandwidth_parser(bench)
+    add_bench_all_parser(bench)
     p.set_defaults(usage_parser=p)  # `kvxfer bench` alone prints this parser's help
 
 
