@@ -76,8 +76,11 @@ def view_rows(layout: CacheLayout, views: Sequence[View]) -> U64:
 
 
 def layout_rows(layout: CacheLayout) -> U64:
-    """``(N, 5)`` strided rows of every view of ``layout`` (local side, whole pool)."""
-    return view_rows(layout, layout.views)
+    """``(N, 5)`` strided rows of every view of ``layout`` (local side, whole pool).
+
+    A copy of the layout's view table, built once when the layout was constructed.
+    """
+    return layout.view_table.copy()
 
 
 def validate_rows(rows: np.ndarray, width: int = 5) -> U64:

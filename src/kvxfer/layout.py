@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+import numpy.typing as npt
+
 from .errors import LayoutError
 
 __all__ = ["CacheLayout", "Region", "Shard", "TokenLayout", "View", "ViewKind"]
@@ -113,9 +116,20 @@ class CacheLayout:
     is_mla: bool = False
     is_cross_layer: bool = False
     engine_id: str = field(default="", compare=False)
+    view_table: npt.NDArray[np.uint64] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.check_integrity()
+        base = [(r.base_addr, r.device_id) for r in self.regions]
+        table = np.array(  # (V, 5) uint64: addr of block 0, len, dev, stride, count
+            [
+                (base[v.region][0] + v.offset, v.length, base[v.region][1], v.stride, v.count)
+                for v in self.views
+            ],
+            dtype=np.uint64,
+        )
+        table.flags.writeable = False  # shared: callers copy before changing
+        object.__setattr__(self, "view_table", table)
 
     @property
     def heads_per_rank(self) -> int:

@@ -278,14 +278,7 @@ def pair_layouts(
 
 def _view_columns(layout: CacheLayout) -> npt.NDArray[np.int64]:
     """``(V, 5) int64``: addr of block 0, length, device, stride, count of every view."""
-    base = [(r.base_addr, r.device_id) for r in layout.regions]
-    return np.array(
-        [
-            (base[v.region][0] + v.offset, v.length, base[v.region][1], v.stride, v.count)
-            for v in layout.views
-        ],
-        dtype=np.uint64,
-    ).astype(np.int64, copy=False)
+    return layout.view_table.astype(np.int64)
 
 
 def _source_plan(
