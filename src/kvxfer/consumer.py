@@ -188,6 +188,8 @@ class Consumer:
     @property
     def address(self) -> str:
         """This engine's side-channel endpoint (producers fetch its records for push)."""
+        if self.config.advertise_addr:
+            return self.config.advertise_addr
         return self.server.address if self.server is not None else ""
 
     # -- first contact --------------------------------------------------------------

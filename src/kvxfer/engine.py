@@ -51,6 +51,10 @@ class EngineConfig:
         handshake_timeout_s: side-channel fetch timeout.
         strided: prepare strided (N, 5) lists; False forces the dense (N, 3) fallback.
         heartbeat_s: interval of consumer lease renewals / liveness checks.
+        advertise_addr: the side-channel endpoint peers should dial (default: the bound
+            one); set it when binding a wildcard such as ``tcp://0.0.0.0:5601``.
+        backend_params: extra NIXL UCX backend parameters (UCX also reads ``UCX_*``
+            environment variables).
         max_run_blocks: longest run of blocks (contiguous on both sides) moved by one
             descriptor (run rows, strided lists only; 1 disables coalescing).
     """
@@ -66,6 +70,8 @@ class EngineConfig:
     handshake_timeout_s: float = 5.0
     strided: bool = True
     heartbeat_s: float = 1.0
+    advertise_addr: str | None = None
+    backend_params: tuple[tuple[str, str], ...] = ()
     max_run_blocks: int = 1  # measured: NIXL 1.5 merges dense consecutive indices itself
 
     @property
@@ -107,7 +113,10 @@ class RankCache:
             [b.ctypes.data for b in bufs], engine_id=config.engine_id
         )
         self.backend = NixlBackend(
-            agent_name, progress_delay_us=config.progress_delay_us, thread_safe=True
+            agent_name,
+            progress_delay_us=config.progress_delay_us,
+            thread_safe=True,
+            backend_params=dict(config.backend_params),
         )
         try:
             self.backend.register(

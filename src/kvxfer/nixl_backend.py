@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -202,6 +202,9 @@ class NixlBackend:
             must make progress; an initiator that polls may turn it off.
         progress_delay_us: sleep between progress-thread passes; 0 spins a full core.
         num_threads: UCX worker threads (0: UCX default).
+        backend_params: extra UCX backend init parameters (NIXL's, e.g. device lists);
+            UCX itself also reads ``UCX_*`` environment variables (``UCX_TLS``,
+            ``UCX_NET_DEVICES``) when the agent is created.
         thread_safe: lock the agent for calls from several threads (NIXL_THREAD_SYNC_STRICT).
     """
 
@@ -212,6 +215,7 @@ class NixlBackend:
         progress_thread: bool = True,
         progress_delay_us: int = 1000,
         num_threads: int = 0,
+        backend_params: Mapping[str, str] | None = None,
         thread_safe: bool = False,
     ) -> None:
         if progress_delay_us < 0 or num_threads < 0:
@@ -224,6 +228,7 @@ class NixlBackend:
         cfg.syncMode = sync
         cfg.captureTelemetry = False
         init = {"num_threads": str(num_threads)} if num_threads else {}
+        init.update(backend_params or {})
         with _translate(f"creating agent {name!r}"):
             agent = _nixl.nixlAgent(name, cfg)
             if "UCX" not in agent.getAvailPlugins():

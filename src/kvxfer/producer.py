@@ -92,8 +92,8 @@ class Producer:
 
     @property
     def address(self) -> str:
-        """The side-channel endpoint consumers connect to."""
-        return self.server.address
+        """The side-channel endpoint consumers connect to (``advertise_addr`` if set)."""
+        return self.config.advertise_addr or self.server.address
 
     @property
     def held_blocks(self) -> int:
