@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -20,8 +19,8 @@ import numpy.typing as npt
 from .engine import U8, EngineConfig, RankCache, RequestState, new_generation
 from .errors import DeadlineError, KvxferError, LayoutError, PeerLostError, TransferError
 from .liveness import PeerMonitor
-from .nixl_backend import PreparedList, XferHandle, XferOp, XferState
-from .pairing import PeerPlan, pair_layouts
+from .nixl_backend import XferOp, XferState
+from .pairing import pair_layouts
 from .pattern import relayout_bsr
 from .plan import plan_request
 from .schema import (
@@ -39,95 +38,11 @@ from .schema import (
 )
 from .side_channel import SideChannelServer, fetch_records
 from .spec import LayoutSpec
+from .transfer import PeerInfo, Transfer, num_bytes
 
-__all__ = ["Consumer", "PeerInfo", "Transfer"]
+__all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in transfer.py
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PeerInfo:
-    """A producer engine this consumer has contacted (or is contacting).
-
-    Attributes:
-        address: the producer's side-channel endpoint.
-        generation: the producer incarnation the prepared lists belong to.
-        timings_s: first-contact phases: fetch, add_agent, build, prepare.
-        num_rows, num_descriptors: strided rows prepared vs descriptors they stand for.
-    """
-
-    address: str
-    ready: threading.Event = field(default_factory=threading.Event)
-    error: KvxferError | None = None
-    generation: int = 0
-    plans: dict[int, PeerPlan] = field(default_factory=dict)
-    lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
-    agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
-    timings_s: dict[str, float] = field(default_factory=dict)
-    num_rows: int = 0
-    num_descriptors: int = 0
-    remote_spec_block_size: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class Transfer:
-    """One request read by every (selected) local rank. Poll or wait; never blocks forever."""
-
-    request_id: str
-    consumer: Consumer
-    peer: PeerInfo
-    deadline: float
-    local_ids: npt.NDArray[np.int64]
-    remote_ids: npt.NDArray[np.int64]
-    kwargs: dict[str, object]
-    ranks: tuple[int, ...]
-    op: XferOp = XferOp.READ
-    state: RequestState = RequestState.PENDING
-    error: KvxferError | None = None
-    started_at: float = field(default_factory=time.perf_counter)
-    posted_at: float = 0.0
-    renewed_at: float = 0.0
-    finished_at: float = 0.0
-    num_descriptors: int = 0
-    num_bytes: int = 0
-    xfers: list[tuple[int, XferHandle]] = field(default_factory=list)  # (local rank, handle)
-    notify: list[tuple[int, str]] = field(default_factory=list)  # (local rank, agent)
-    expected: set[tuple[int, int]] = field(default_factory=set)  # push: (local, producer rank)
-    generation: int | None = None  # the producer incarnation that holds the request's blocks
-    rechecked: bool = False
-
-    def poll(self) -> RequestState:
-        """Advance the request and return its state (terminal states stay put)."""
-        return self.consumer._advance(self)
-
-    def wait(self, timeout_s: float | None = None) -> RequestState:
-        """Poll until terminal or ``timeout_s`` (the request's own deadline always applies)."""
-        until = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.poll().is_terminal:
-            if until is not None and time.monotonic() >= until:
-                break
-            time.sleep(0.0002)
-        return self.state
-
-    def result(self, timeout_s: float | None = None) -> None:
-        """Wait; raise the request's error unless it ended DONE."""
-        state = self.wait(timeout_s)
-        if state is RequestState.DONE:
-            return
-        if self.error is not None:
-            raise self.error
-        raise DeadlineError(f"request {self.request_id!r} still {state.value} after {timeout_s} s")
-
-    @property
-    def latency_s(self) -> float:
-        return (self.finished_at or time.perf_counter()) - self.started_at
-
-
-def _num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int32]) -> int:
-    """Bytes moved by descriptors ``local_ids`` of source ``rank``'s local list."""
-    src = next(s for s in plan.sources if s.rank == rank)
-    starts = np.searchsorted(src.local_starts, local_ids, side="right") - 1  # row of each id
-    return int(src.local_rows[starts, 1].sum())
 
 
 class Consumer:
@@ -437,7 +352,7 @@ class Consumer:
                 x = backend.make_xfer(XferOp.READ, loc, ids.local_ids, rem, ids.remote_ids, msg)
                 t.xfers.append((d, x))
                 t.num_descriptors += ids.num_descriptors
-                t.num_bytes += _num_bytes(plan, ids.rank, ids.local_ids)
+                t.num_bytes += num_bytes(plan, ids.rank, ids.local_ids)
                 if backend.post(x) is XferState.DONE:
                     pass  # polled (and released) below
             t.notify.extend((d, peer.agents[r]) for r in req.notify_only)
@@ -463,7 +378,7 @@ class Consumer:
                 backend.send_notif(peer.agents[ids.rank], raw)
                 t.expected.add((d, ids.rank))
                 t.num_descriptors += ids.num_descriptors
-                t.num_bytes += _num_bytes(peer.plans[d], ids.rank, ids.local_ids)
+                t.num_bytes += num_bytes(peer.plans[d], ids.rank, ids.local_ids)
             t.notify.extend((d, peer.agents[r]) for r in req.notify_only)
 
     def _drain(self) -> None:

@@ -1,0 +1,107 @@
+"""Handles of the consumer side: a contacted producer (:class:`PeerInfo`) and one
+request in flight (:class:`Transfer`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from .engine import RequestState
+from .errors import DeadlineError, KvxferError
+from .nixl_backend import PreparedList, XferHandle, XferOp
+from .pairing import PeerPlan
+
+if TYPE_CHECKING:
+    from .consumer import Consumer
+
+__all__ = ["PeerInfo", "Transfer", "num_bytes"]
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    """A producer engine this consumer has contacted (or is contacting).
+
+    Attributes:
+        address: the producer's side-channel endpoint.
+        generation: the producer incarnation the prepared lists belong to.
+        timings_s: first-contact phases: fetch, add_agent, build, prepare.
+        num_rows, num_descriptors: strided rows prepared vs descriptors they stand for.
+    """
+
+    address: str
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: KvxferError | None = None
+    generation: int = 0
+    plans: dict[int, PeerPlan] = field(default_factory=dict)
+    lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
+    agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
+    timings_s: dict[str, float] = field(default_factory=dict)
+    num_rows: int = 0
+    num_descriptors: int = 0
+    remote_spec_block_size: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Transfer:
+    """One request read by every (selected) local rank. Poll or wait; never blocks forever."""
+
+    request_id: str
+    consumer: Consumer
+    peer: PeerInfo
+    deadline: float
+    local_ids: npt.NDArray[np.int64]
+    remote_ids: npt.NDArray[np.int64]
+    kwargs: dict[str, object]
+    ranks: tuple[int, ...]
+    op: XferOp = XferOp.READ
+    state: RequestState = RequestState.PENDING
+    error: KvxferError | None = None
+    started_at: float = field(default_factory=time.perf_counter)
+    posted_at: float = 0.0
+    renewed_at: float = 0.0
+    finished_at: float = 0.0
+    num_descriptors: int = 0
+    num_bytes: int = 0
+    xfers: list[tuple[int, XferHandle]] = field(default_factory=list)  # (local rank, handle)
+    notify: list[tuple[int, str]] = field(default_factory=list)  # (local rank, agent)
+    expected: set[tuple[int, int]] = field(default_factory=set)  # push: (local, producer rank)
+    generation: int | None = None  # the producer incarnation that holds the request's blocks
+    rechecked: bool = False
+
+    def poll(self) -> RequestState:
+        """Advance the request and return its state (terminal states stay put)."""
+        return self.consumer._advance(self)
+
+    def wait(self, timeout_s: float | None = None) -> RequestState:
+        """Poll until terminal or ``timeout_s`` (the request's own deadline always applies)."""
+        until = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.poll().is_terminal:
+            if until is not None and time.monotonic() >= until:
+                break
+            time.sleep(0.0002)
+        return self.state
+
+    def result(self, timeout_s: float | None = None) -> None:
+        """Wait; raise the request's error unless it ended DONE."""
+        state = self.wait(timeout_s)
+        if state is RequestState.DONE:
+            return
+        if self.error is not None:
+            raise self.error
+        raise DeadlineError(f"request {self.request_id!r} still {state.value} after {timeout_s} s")
+
+    @property
+    def latency_s(self) -> float:
+        return (self.finished_at or time.perf_counter()) - self.started_at
+
+
+def num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int32]) -> int:
+    """Bytes moved by descriptors ``local_ids`` of source ``rank``'s local list."""
+    src = next(s for s in plan.sources if s.rank == rank)
+    starts = np.searchsorted(src.local_starts, local_ids, side="right") - 1  # row of each id
+    return int(src.local_rows[starts, 1].sum())
