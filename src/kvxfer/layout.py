@@ -117,6 +117,7 @@ class CacheLayout:
     is_cross_layer: bool = False
     engine_id: str = field(default="", compare=False)
     view_table: npt.NDArray[np.uint64] = field(init=False, repr=False, compare=False)
+    view_classes: npt.NDArray[np.int64] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.check_integrity()
@@ -130,6 +131,10 @@ class CacheLayout:
         )
         table.flags.writeable = False  # shared: callers copy before changing
         object.__setattr__(self, "view_table", table)
+        kinds, shards = list(ViewKind), list(Shard)  # (V,) class id = kind * 8 + shard
+        classes = np.array([kinds.index(v.kind) * 8 + shards.index(v.shard) for v in self.views])
+        classes.flags.writeable = False
+        object.__setattr__(self, "view_classes", classes.astype(np.int64))
 
     @property
     def heads_per_rank(self) -> int:

@@ -110,11 +110,13 @@ def _check_same(local: CacheLayout, remote: CacheLayout) -> None:
         raise IncompatibleError(
             f"view count differs: local {len(local.views)}, remote {len(remote.views)}"
         )
-    for i, (a, b) in enumerate(zip(local.views, remote.views, strict=True)):
-        if a.kind is not b.kind or a.shard is not b.shard:
-            raise IncompatibleError(
-                f"view {i} differs: local {a.kind.value}/{a.shard.value}, remote {b.kind.value}/{b.shard.value}"
-            )
+    diff = np.flatnonzero(local.view_classes != remote.view_classes)
+    if diff.size:
+        i = int(diff[0])
+        a, b = local.views[i], remote.views[i]
+        raise IncompatibleError(
+            f"view {i} differs: local {a.kind.value}/{a.shard.value}, remote {b.kind.value}/{b.shard.value}"
+        )
 
 
 def _piece(
@@ -284,27 +286,23 @@ def _view_columns(layout: CacheLayout) -> npt.NDArray[np.int64]:
 def _source_plan(
     src: Source, local: CacheLayout, remote: CacheLayout, plan: TpPlan, kbsr: int
 ) -> SourcePlan:
+    lcol, rcol = _view_columns(local), _view_columns(remote)  # (V, 5)
     # views of one shape pair identically: compute (and check) each distinct shape once
-    shapes: dict[tuple[object, ...], tuple[int, int, int] | None] = {}
-    sel: list[int] = []
-    pieces: list[tuple[int, int, int]] = []
-    for i, (lv, rv) in enumerate(zip(local.views, remote.views, strict=True)):
-        key = (lv.length, lv.stride, lv.kind, lv.shard, rv.length)
-        if key not in shapes:
-            piece = _piece(src, lv, rv, local, remote, plan, kbsr)
-            if piece is not None:
-                _check_sliceable(local, remote, lv, rv, piece, kbsr)
-            shapes[key] = piece
-        piece = shapes[key]
+    keys = np.stack([lcol[:, LEN], lcol[:, STRIDE], local.view_classes, rcol[:, LEN]], axis=1)
+    shapes, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    table = np.zeros((len(shapes), 4), dtype=np.int64)  # read?, local off, remote off, len
+    for u, i in enumerate(first.tolist()):
+        lv, rv = local.views[i], remote.views[i]
+        piece = _piece(src, lv, rv, local, remote, plan, kbsr)
         if piece is not None:
-            sel.append(i)
-            pieces.append(piece)
-    if not sel:
+            _check_sliceable(local, remote, lv, rv, piece, kbsr)
+            table[u] = (1, *piece)
+    per_view = table[inverse.ravel()]  # (V, 4)
+    idx = np.flatnonzero(per_view[:, 0])  # views read from this source
+    if not idx.size:
         raise LayoutError(f"source rank {src.rank} reads no view")
-    idx = np.array(sel, dtype=np.int64)
-    lcol, rcol = _view_columns(local)[idx], _view_columns(remote)[idx]  # (S, 5)
-    pc = np.array(pieces, dtype=np.int64)  # (S, 3): local offset, remote offset, length
-    is_state = np.array([local.views[i].kind is ViewKind.STATE for i in sel])
+    lcol, rcol, pc = lcol[idx], rcol[idx], per_view[idx, 1:]  # (S, 5), (S, 5), (S, 3)
+    is_state = local.view_classes[idx] // 8 == list(ViewKind).index(ViewKind.STATE)
     nsub = np.where(is_state, 1, kbsr)  # ATTN views split into kbsr sub-block rows
     rep = np.repeat(np.arange(idx.size), nsub)  # (R,) selected view of each row
     sub = np.arange(rep.size) - np.repeat(np.cumsum(nsub) - nsub, nsub)  # (R,) k of each row

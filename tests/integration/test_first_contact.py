@@ -1,0 +1,42 @@
+"""First contact is lazy and never blocks requests to producers already known."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.consumer import Consumer
+from kvxfer.engine import EngineConfig, RequestState, allocate_cache
+from kvxfer.pattern import fill, mismatches
+from kvxfer.presets import spec_for
+from kvxfer.producer import Producer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
+
+
+def test_slow_first_contact_does_not_block_known_peer() -> None:
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=32)
+    bufs = allocate_cache(spec)
+    fill(spec, bufs)
+    local = allocate_cache(spec)
+    with (
+        Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod,
+        Consumer(
+            EngineConfig("d", model_name="tiny-gqa", handshake_timeout_s=3.0), [(spec, local)]
+        ) as cons,
+    ):
+        cons.connect(prod.address)
+        # nobody listens here: its first contact runs in the background until its timeout
+        stuck = cons.read("x", "tcp://127.0.0.1:9", local_block_ids=[0], remote_block_ids=[0])
+        t0 = time.monotonic()
+        lids, rids = np.array([5, 6, 7]), np.array([9, 1, 4])
+        ok = cons.read("r", prod.address, local_block_ids=lids, remote_block_ids=rids)
+        assert ok.wait(10) is RequestState.DONE
+        took = time.monotonic() - t0
+        assert stuck.poll() is RequestState.PENDING  # still waiting for its handshake
+        assert took < 1.0, f"a known peer's request waited {took:.2f} s behind a first contact"
+        assert mismatches(spec, local, spec, lids, rids) == 0
+        assert stuck.wait(10) is RequestState.PEER_LOST  # side channel never answered
+        assert "no reply within timeout" in str(stuck.error)
