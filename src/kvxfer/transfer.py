@@ -79,11 +79,17 @@ class Transfer:
 
     def wait(self, timeout_s: float | None = None) -> RequestState:
         """Poll until terminal or ``timeout_s`` (the request's own deadline always applies)."""
-        until = None if timeout_s is None else time.monotonic() + timeout_s
+        until = (
+            self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
+        )
         while not self.poll().is_terminal:
-            if until is not None and time.monotonic() >= until:
+            now = time.monotonic()
+            if now >= until and timeout_s is not None:
                 break
-            time.sleep(0.0002)
+            if not self.posted_at:  # first contact runs in another thread: sleep, do not spin
+                self.peer.ready.wait(max(0.0, until - now) + 0.001)
+            else:
+                time.sleep(0.0002)
         return self.state
 
     def result(self, timeout_s: float | None = None) -> None:
