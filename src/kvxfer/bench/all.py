@@ -129,8 +129,9 @@ def _section_first_contact(doc: dict[str, Any]) -> list[str]:
         f"TP 1->1), 16 B blocks so that 51k blocks fit in RAM; the first request reads "
         f"{c['request_blocks']} random blocks ({c['request_blocks'] * c['num_views']:,} "
         f"descriptors) and is byte-verified; median of {c['repeat']} consumers per mode. "
-        "Modes: `strided` = one `(N, 5)` row per view, `runs` = the engine default (strided "
-        "plus run rows up to 256 blocks), `dense` = the `(M, 3)` fallback. "
+        "Modes: `strided` = one `(N, 5)` row per view (the engine default), `runs` = strided "
+        "plus run rows up to 256 blocks (`max_run_blocks=256`, off by default), "
+        "`dense` = the `(M, 3)` fallback. "
         "`prepare` covers both lists (local and remote); `xfer` is the first post to "
         "completion; `warm` is a second request of the same size on the same peer.",
         "",
@@ -142,7 +143,7 @@ def _section_first_contact(doc: dict[str, Any]) -> list[str]:
         f"- strided build+prepare, largest / smallest cache: "
         f"{fmt_ratio(t['strided_largest_over_smallest'])} (target <= 2x): "
         f"{_ok(t['flat_met'], t['evaluated'])}",
-        f"- with run rows (engine default): dense / runs build+prepare "
+        f"- with run rows (max_run_blocks=256): dense / runs build+prepare "
         f"{fmt_ratio(t['dense_over_runs_build_prepare'])}, largest / smallest "
         f"{fmt_ratio(t['runs_largest_over_smallest'])}",
     ]

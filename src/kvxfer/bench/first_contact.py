@@ -12,7 +12,7 @@ polling). A second (warm) request of the same size follows for comparison.
 Layout: 128 views (64 layers split K/V, TP 1 -> 1), blocks of 1 token x 1 head x 8 x 2 B
 = 16 B, so that 51,000 blocks per region fit in RAM (~100 MB a side); the point is the
 descriptor count (6.5 M at 51k blocks). Modes: ``strided`` prepares one ``(N, 5)`` row per
-view (``max_run_blocks=1``); ``runs`` is the engine default (strided plus run rows of up to
+view (``max_run_blocks=1``); ``runs`` adds the planner's run rows (``max_run_blocks=256``, off by default) of up to
 256 blocks); ``dense`` is the fallback (``EngineConfig(strided=False)``), ``(M, 3)`` rows.
 """
 
@@ -48,7 +48,7 @@ MODEL = "first-contact-bench"
 # strided without run rows, strided with the engine's default run rows, dense fallback
 _MODE_CONFIG: dict[str, dict[str, Any]] = {
     "strided": {"strided": True, "max_run_blocks": 1},
-    "runs": {"strided": True},
+    "runs": {"strided": True, "max_run_blocks": 256},
     "dense": {"strided": False},
 }
 
