@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,13 @@ from .transfer import PeerInfo, Transfer, num_bytes
 __all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in transfer.py
 
 log = logging.getLogger(__name__)
+
+
+def _pinned_ok(pin: int | Mapping[int, int], generations: Mapping[int, int]) -> bool:
+    """Whether the producer ranks still run the generation(s) a request was pinned to."""
+    if isinstance(pin, int):
+        return set(generations.values()) == {pin}
+    return all(generations.get(rank) == gen for rank, gen in pin.items())
 
 
 class Consumer:
@@ -141,15 +148,18 @@ class Consumer:
     def _handshake(self, peer: PeerInfo) -> None:
         t0 = time.perf_counter()
         try:
-            recs = fetch_records(
-                peer.address, None, self.compat_hash, self.config.handshake_timeout_s
-            )
+            # one endpoint per producer process: "tcp://a:1" or "tcp://a:1,tcp://b:1,..."
+            by_endpoint = {
+                ep: fetch_records(ep, None, self.compat_hash, self.config.handshake_timeout_s)
+                for ep in peer.endpoints
+            }
+            recs = [r for rs in by_endpoint.values() for r in rs]
             t1 = time.perf_counter()
+            if len({r.tp_rank for r in recs}) != len(recs):
+                raise LayoutError(f"{peer.address}: several records claim the same TP rank")
             layouts = {r.tp_rank: layout_from_record(r) for r in recs}
-            gens = {r.generation for r in recs}
-            if len(gens) != 1:
-                raise LayoutError(f"{peer.address}: records of several generations {sorted(gens)}")
-            peer.generation = gens.pop()
+            peer.generations = {r.tp_rank: r.generation for r in recs}
+            peer.generation = peer.generations[min(peer.generations)]
             names = {r.tp_rank: r.agent_name for r in recs}
             for cache in self.ranks.values():
                 for rec in recs:
@@ -179,7 +189,9 @@ class Consumer:
                 "build": t3 - t2,
                 "prepare": t4 - t3,
             }
-            self._monitor.watch(peer.address, peer.generation)
+            self._monitor.watch(
+                peer.address, {ep: {r.generation for r in rs} for ep, rs in by_endpoint.items()}
+            )
         except KvxferError as e:
             peer.error = e
             with self._lock:
@@ -215,7 +227,7 @@ class Consumer:
         num_cached_blocks: int = 0,
         ranks: Sequence[int] | None = None,
         deadline_s: float | None = None,
-        generation: int | None = None,
+        generation: int | Mapping[int, int] | None = None,
     ) -> Transfer:
         """Start reading a request's blocks from the producer at ``address`` (pull mode).
 
@@ -223,8 +235,11 @@ class Consumer:
         posted (a bad id ends the request FAILED with a LayoutError). ``ranks``
         selects local ranks (default: all hosted ranks). ``generation`` (the
         producer's :attr:`~kvxfer.producer.Producer.generation` when it prefilled the
-        request) pins the request to that incarnation: after a producer restart it
-        ends PEER_LOST instead of reading another process's blocks.
+        request; a ``{rank: generation}`` map for a producer engine spread over several
+        processes) pins the request to that incarnation: after a producer restart it
+        ends PEER_LOST instead of reading another process's blocks. ``address`` is one
+        side-channel endpoint, or several separated by commas when the producer's
+        ranks live in several processes (one endpoint each).
         """
         return self._request(
             XferOp.READ, request_id, address, local_block_ids, remote_block_ids,
@@ -243,7 +258,7 @@ class Consumer:
         num_cached_blocks: int = 0,
         ranks: Sequence[int] | None = None,
         deadline_s: float | None = None,
-        generation: int | None = None,
+        generation: int | Mapping[int, int] | None = None,
     ) -> Transfer:
         """Ask the producer at ``address`` to WRITE a request into these local blocks (push).
 
@@ -267,7 +282,7 @@ class Consumer:
         num_cached_blocks: int,
         ranks: Sequence[int] | None,
         deadline_s: float | None,
-        generation: int | None,
+        generation: int | Mapping[int, int] | None,
     ) -> Transfer:
         chosen = tuple(self.ranks) if ranks is None else tuple(ranks)
         for d in chosen:
@@ -296,15 +311,15 @@ class Consumer:
                     return t.state
                 if t.peer.error is not None:
                     raise t.peer.error
-                if t.generation is not None and t.generation != t.peer.generation:
+                if t.generation is not None and not _pinned_ok(t.generation, t.peer.generations):
                     if not t.rechecked:  # maybe a restart we have not noticed yet: ask again
                         t.rechecked = True
                         self._drop_peer(t.peer)
                         t.peer = self._peer(t.peer.address)
                         return t.state
                     raise PeerLostError(
-                        f"request {t.request_id!r} was prefilled by generation {t.generation:x}; "
-                        f"{t.peer.address} now runs generation {t.peer.generation:x}"
+                        f"request {t.request_id!r} was prefilled by generation {t.generation}; "
+                        f"{t.peer.address} now runs {t.peer.generations}"
                     )
                 self._post(t)
             if t.op is XferOp.WRITE:
@@ -336,9 +351,9 @@ class Consumer:
         if now - max(t.posted_at, t.renewed_at) < self.config.heartbeat_s:
             return
         t.renewed_at = now
-        msg = encode_msg(LeaseRenew((t.request_id,), t.peer.generation))
-        for d in t.ranks:
-            for agent in set(t.peer.agents.values()):
+        for rank, agent in t.peer.agents.items():
+            msg = encode_msg(LeaseRenew((t.request_id,), t.peer.generations[rank]))
+            for d in t.ranks:
                 self.ranks[d].backend.send_notif(agent, msg)
 
     def _post(self, t: Transfer) -> None:
@@ -351,19 +366,20 @@ class Consumer:
             plan = peer.plans[d]
             req = plan_request(plan, t.local_ids, t.remote_ids, **t.kwargs)  # type: ignore[arg-type]
             backend = self.ranks[d].backend
-            msg = encode_msg(ReadDone(t.request_id, peer.generation, d, self.ranks[d].spec.tp_size))
+            size = self.ranks[d].spec.tp_size
             for ids in req.sources:
                 if ids.num_descriptors == 0:
-                    t.notify.append((d, peer.agents[ids.rank]))
+                    t.notify.append((d, ids.rank))
                     continue
                 loc, rem = peer.lists[(d, ids.rank)]
+                msg = encode_msg(ReadDone(t.request_id, peer.generations[ids.rank], d, size))
                 x = backend.make_xfer(XferOp.READ, loc, ids.local_ids, rem, ids.remote_ids, msg)
                 t.xfers.append((d, x))
                 t.num_descriptors += ids.num_descriptors
                 t.num_bytes += num_bytes(plan, ids.rank, ids.local_ids)
                 if backend.post(x) is XferState.DONE:
                     pass  # polled (and released) below
-            t.notify.extend((d, peer.agents[r]) for r in req.notify_only)
+            t.notify.extend((d, r) for r in req.notify_only)
 
     def _post_push(self, t: Transfer) -> None:
         peer = t.peer
@@ -374,20 +390,20 @@ class Consumer:
                 for k, v in t.kwargs.items()
                 if k.endswith("state_ids")
             }
-            msg = PushRequest(
-                t.request_id, peer.generation, self.address, d, self.ranks[d].spec.tp_size,
-                tuple(int(i) for i in t.local_ids), tuple(int(i) for i in t.remote_ids),
-                num_cached_blocks=int(t.kwargs.get("num_cached_blocks", 0)),  # type: ignore[call-overload]
-                **kw,  # type: ignore[arg-type]
-            )  # fmt: skip
-            raw = encode_msg(msg)
             backend = self.ranks[d].backend
             for ids in req.sources:
-                backend.send_notif(peer.agents[ids.rank], raw)
+                msg = PushRequest(
+                    t.request_id, peer.generations[ids.rank], self.address, d,
+                    self.ranks[d].spec.tp_size,
+                    tuple(int(i) for i in t.local_ids), tuple(int(i) for i in t.remote_ids),
+                    num_cached_blocks=int(t.kwargs.get("num_cached_blocks", 0)),  # type: ignore[call-overload]
+                    **kw,  # type: ignore[arg-type]
+                )  # fmt: skip
+                backend.send_notif(peer.agents[ids.rank], encode_msg(msg))
                 t.expected.add((d, ids.rank))
                 t.num_descriptors += ids.num_descriptors
                 t.num_bytes += num_bytes(peer.plans[d], ids.rank, ids.local_ids)
-            t.notify.extend((d, peer.agents[r]) for r in req.notify_only)
+            t.notify.extend((d, r) for r in req.notify_only)
 
     def _drain(self) -> None:
         """Collect push notifications (WriteDone, Failed) from every local rank's agent."""
@@ -408,13 +424,11 @@ class Consumer:
                             self.num_rejected += 1
 
     def _finish(self, t: Transfer) -> None:
-        for d in t.ranks:  # tell ranks that were not read (MLA, GQA dedup, empty) to free
-            msg = encode_msg(
-                ReadDone(t.request_id, t.peer.generation, d, self.ranks[d].spec.tp_size)
-            )
-            for dd, agent in t.notify:
-                if dd == d:
-                    self.ranks[d].backend.send_notif(agent, msg)
+        peer = t.peer
+        for d, r in t.notify:  # tell ranks that were not read (MLA, GQA dedup, empty) to free
+            done = ReadDone(t.request_id, peer.generations[r], d, self.ranks[d].spec.tp_size)
+            self.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
+        for d in t.ranks:
             plan = t.peer.plans[d]
             if plan.kernel_bsr > 1:
                 cached = int(t.kwargs.get("num_cached_blocks", 0))  # type: ignore[call-overload]
@@ -438,9 +452,9 @@ class Consumer:
             return
         t.state = RequestState.TIMEOUT if isinstance(error, DeadlineError) else RequestState.FAILED
         if t.posted_at and t.peer.agents:  # tell every producer rank it may free the blocks
-            for d in t.ranks:
-                msg = encode_msg(Abort(t.request_id, t.peer.generation, t.state.value))
-                for agent in set(t.peer.agents.values()):
+            for rank, agent in t.peer.agents.items():
+                msg = encode_msg(Abort(t.request_id, t.peer.generations[rank], t.state.value))
+                for d in t.ranks:
                     try:
                         self.ranks[d].backend.send_notif(agent, msg)
                     except KvxferError as e:

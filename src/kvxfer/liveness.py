@@ -43,20 +43,21 @@ class PeerMonitor:
         self._interval_s = interval_s
         self._on_lost = on_lost
         self._max_misses = max_misses
-        self._peers: dict[str, tuple[int, int]] = {}  # address -> (generation, misses)
+        # peer key -> endpoint -> (generations served there, consecutive misses)
+        self._peers: dict[str, dict[str, tuple[set[int], int]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxfer-heartbeat", daemon=True)
         self._thread.start()
 
-    def watch(self, address: str, generation: int) -> None:
-        """Start (or restart) watching ``address`` at ``generation``."""
+    def watch(self, key: str, generations: dict[str, set[int]]) -> None:
+        """Start (or restart) watching peer ``key``: per endpoint, the generations it serves."""
         with self._lock:
-            self._peers[address] = (generation, 0)
+            self._peers[key] = {ep: (set(g), 0) for ep, g in generations.items()}
 
-    def forget(self, address: str) -> None:
+    def forget(self, key: str) -> None:
         with self._lock:
-            self._peers.pop(address, None)
+            self._peers.pop(key, None)
 
     def close(self) -> None:
         self._stop.set()
@@ -65,29 +66,32 @@ class PeerMonitor:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             with self._lock:
-                peers = dict(self._peers)
-            for address, (generation, misses) in peers.items():
-                reason = self._probe(address, generation, misses)
-                if reason is not None:
-                    self.forget(address)
-                    log.warning("peer %s lost: %s", address, reason)
-                    self._on_lost(address, reason)
+                peers = {k: dict(v) for k, v in self._peers.items()}
+            for key, endpoints in peers.items():
+                for ep, (gens, misses) in endpoints.items():
+                    reason = self._probe(key, ep, gens, misses)
+                    if reason is not None:
+                        self.forget(key)
+                        log.warning("peer %s lost: %s", key, reason)
+                        self._on_lost(key, reason)
+                        break
 
-    def _probe(self, address: str, generation: int, misses: int) -> str | None:
+    def _probe(self, key: str, endpoint: str, gens: set[int], misses: int) -> str | None:
         try:
-            recs = fetch_records(address, [0], self._hash, self._interval_s)
+            recs = fetch_records(endpoint, None, self._hash, self._interval_s)
         except PeerLostError:
             with self._lock:
-                if address in self._peers:
-                    self._peers[address] = (generation, misses + 1)
+                if key in self._peers and endpoint in self._peers[key]:
+                    self._peers[key][endpoint] = (gens, misses + 1)
             if misses + 1 >= self._max_misses:
-                return f"no heartbeat reply {misses + 1} times in a row"
+                return f"{endpoint}: no heartbeat reply {misses + 1} times in a row"
             return None
         except KvxferError as e:
-            return f"heartbeat refused: {e}"
-        if recs and recs[0].generation != generation:
-            return f"restarted: generation {generation:x} -> {recs[0].generation:x}"
+            return f"{endpoint}: heartbeat refused: {e}"
+        now = {r.generation for r in recs}
+        if now != gens:
+            return f"{endpoint} restarted: generation {sorted(gens)} -> {sorted(now)}"
         with self._lock:
-            if address in self._peers:
-                self._peers[address] = (generation, 0)
+            if key in self._peers and endpoint in self._peers[key]:
+                self._peers[key][endpoint] = (gens, 0)
         return None

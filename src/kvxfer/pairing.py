@@ -201,7 +201,11 @@ def _check_sliceable(
 
 
 def pair_layouts(
-    local: CacheLayout, remotes: Mapping[int, CacheLayout], *, max_run_blocks: int = 1
+    local: CacheLayout,
+    remotes: Mapping[int, CacheLayout],
+    *,
+    max_run_blocks: int = 1,
+    require_all: bool = True,
 ) -> PeerPlan:
     """Plan how ``local`` reads the remote engine whose rank layouts are ``remotes``.
 
@@ -211,6 +215,8 @@ def pair_layouts(
         max_run_blocks: longest run of blocks (contiguous on both sides) that one
             descriptor may carry; powers of two up to it get run rows (1: none). Run
             rows are free as strided rows; do not use them with dense (N, 3) lists.
+        require_all: False plans only the source ranks present in ``remotes`` (a producer
+            process pairing a consumer rank with the ranks it hosts, in push mode).
 
     Returns:
         The :class:`PeerPlan` with matched rows per source rank.
@@ -263,6 +269,8 @@ def pair_layouts(
         raise IncompatibleError(f"block size ratio {kbsr} with hybrid state views")
     sources = []
     for src in plan.sources:
+        if src.rank not in remotes and not require_all:
+            continue
         if src.rank not in remotes:
             raise LayoutError(f"no record for remote rank {src.rank} (have {sorted(remotes)})")
         base = _source_plan(src, local, remotes[src.rank], plan, kbsr)

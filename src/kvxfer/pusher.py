@@ -105,7 +105,10 @@ class PushWorker:
             for rec in recs:
                 cache.backend.add_remote(rec.agent_metadata)
         runs = self._run_blocks
-        plans = {d: pair_layouts(lay, mine, max_run_blocks=runs) for d, lay in layouts.items()}
+        plans = {  # this process may host only some producer ranks: plan those
+            d: pair_layouts(lay, mine, max_run_blocks=runs, require_all=False)
+            for d, lay in layouts.items()
+        }
         peer = self._peers[address] = _ConsumerPeer({r.tp_rank: r.agent_name for r in recs}, plans)
         return peer
 

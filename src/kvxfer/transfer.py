@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,8 @@ class PeerInfo:
     address: str
     ready: threading.Event = field(default_factory=threading.Event)
     error: KvxferError | None = None
-    generation: int = 0
+    generation: int = 0  # of the lowest remote rank (all ranks, for a one-process engine)
+    generations: dict[int, int] = field(default_factory=dict)  # remote rank -> generation
     plans: dict[int, PeerPlan] = field(default_factory=dict)
     lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
     agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
@@ -44,6 +46,11 @@ class PeerInfo:
     num_rows: int = 0
     num_descriptors: int = 0
     remote_spec_block_size: int = 0
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The side-channel endpoints in ``address`` (comma-separated, one per process)."""
+        return [a.strip() for a in self.address.split(",") if a.strip()]
 
 
 @dataclass(slots=True, eq=False)
@@ -68,9 +75,9 @@ class Transfer:
     num_descriptors: int = 0
     num_bytes: int = 0
     xfers: list[tuple[int, XferHandle]] = field(default_factory=list)  # (local rank, handle)
-    notify: list[tuple[int, str]] = field(default_factory=list)  # (local rank, agent)
+    notify: list[tuple[int, int]] = field(default_factory=list)  # (local rank, remote rank)
     expected: set[tuple[int, int]] = field(default_factory=set)  # push: (local, producer rank)
-    generation: int | None = None  # the producer incarnation that holds the request's blocks
+    generation: int | Mapping[int, int] | None = None  # the producer incarnation(s) holding it
     rechecked: bool = False
 
     def poll(self) -> RequestState:

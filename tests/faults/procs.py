@@ -69,7 +69,7 @@ def _producer_main(conn: Connection, opts: dict[str, Any]) -> None:
     from kvxfer.producer import Producer
 
     ranks = []
-    for p in range(opts["tp"]):
+    for p in opts["ranks"] if opts.get("ranks") is not None else range(opts["tp"]):
         s = spec(opts["preset"], opts["num_blocks"], p, opts["tp"])
         bufs = allocate_cache(s)
         if opts["fill"] == "pattern":
@@ -129,10 +129,12 @@ class ProducerProc:
         engine_id: str = "prefill",
         fill: str = "pattern",
         lease_s: float = 60.0,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.opts = dict(
             preset=preset, num_blocks=num_blocks, tp=tp, address=address,
             engine_id=engine_id, fill=fill, lease_s=lease_s,
+            ranks=None if ranks is None else list(ranks),
         )  # fmt: skip
         self.preset, self.num_blocks, self.tp = preset, num_blocks, tp
         ctx = mp.get_context("spawn")
