@@ -28,7 +28,7 @@ class RequestState(str, Enum):
     PENDING = "pending"  # waiting for first contact or for the transfer to finish
     DONE = "done"  # every byte landed (and was re-laid-out)
     FAILED = "failed"  # bad input or a transfer error; nothing usable landed
-    TIMEOUT = "timeout"  # the deadline passed; the local blocks are not filled
+    TIMEOUT = "timeout"  # deadline passed; local block bytes undefined, never written after
     PEER_LOST = "peer_lost"  # the producer died or restarted mid-request
     ABORTED = "aborted"  # cancelled by the caller or the other side
 
