@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .engine import U8, EngineConfig, RankCache, RequestState, new_generation
+from .engine import U8, EngineConfig, RankCache, RequestState, encode_records, new_generation
 from .errors import DeadlineError, KvxferError, LayoutError, PeerLostError, TransferError
 from .liveness import PeerMonitor
 from .nixl_backend import XferOp, XferState
@@ -32,9 +32,7 @@ from .schema import (
     WriteDone,
     decode_msg,
     encode_msg,
-    encode_record,
     layout_from_record,
-    record_from_layout,
 )
 from .side_channel import SideChannelServer, fetch_records
 from .spec import LayoutSpec
@@ -75,18 +73,7 @@ class Consumer:
             for spec, bufs in ranks:
                 name = f"{config.engine_id}-d{spec.tp_rank}-{self.generation:x}"
                 self.ranks[spec.tp_rank] = RankCache(spec, bufs, name, config)
-            records = {
-                d: encode_record(
-                    record_from_layout(
-                        c.layout,
-                        agent_name=c.backend.name,
-                        agent_metadata=c.backend.metadata(),
-                        generation=self.generation,
-                    ),
-                    self.compat_hash,
-                )
-                for d, c in self.ranks.items()
-            }
+            records = encode_records(self.ranks.values(), self.generation, self.compat_hash)
             # push mode: producers fetch this engine's records here
             self.server: SideChannelServer | None = SideChannelServer(
                 config.side_channel_addr, records

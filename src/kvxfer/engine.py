@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -14,10 +14,10 @@ import numpy.typing as npt
 from .errors import LayoutError
 from .layout import CacheLayout
 from .nixl_backend import NixlBackend
-from .schema import compat_hash, model_facts
+from .schema import compat_hash, encode_record, model_facts, record_from_layout
 from .spec import LayoutSpec
 
-__all__ = ["EngineConfig", "RankCache", "RequestState", "allocate_cache"]
+__all__ = ["EngineConfig", "RankCache", "RequestState", "allocate_cache", "encode_records"]
 
 U8 = npt.NDArray[np.uint8]
 
@@ -137,3 +137,21 @@ class RankCache:
 def new_generation() -> int:
     """A random 63-bit id for one process incarnation of an engine."""
     return secrets.randbits(63) ^ (os.getpid() << 20) or 1
+
+
+def encode_records(
+    caches: Iterable[RankCache], generation: int, compat_hash: str
+) -> dict[int, bytes]:
+    """The handshake records an engine serves on its side channel, by TP rank."""
+    return {
+        c.rank: encode_record(
+            record_from_layout(
+                c.layout,
+                agent_name=c.backend.name,
+                agent_metadata=c.backend.metadata(),
+                generation=generation,
+            ),
+            compat_hash,
+        )
+        for c in caches
+    }

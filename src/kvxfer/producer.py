@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .engine import U8, EngineConfig, RankCache, new_generation
+from .engine import U8, EngineConfig, RankCache, encode_records, new_generation
 from .errors import KvxferError, LayoutError
 from .leases import FreeReason, LeaseTable
 from .pusher import PushWorker
@@ -19,8 +19,6 @@ from .schema import (
     PushRequest,
     ReadDone,
     decode_msg,
-    encode_record,
-    record_from_layout,
 )
 from .side_channel import SideChannelServer
 from .spec import LayoutSpec
@@ -62,18 +60,7 @@ class Producer:
             self._pending_free: dict[str, set[int]] = {}
             self._freed: list[tuple[str, FreeReason]] = []
             self.num_rejected = 0
-            records = {
-                r.rank: encode_record(
-                    record_from_layout(
-                        r.layout,
-                        agent_name=r.backend.name,
-                        agent_metadata=r.backend.metadata(),
-                        generation=self.generation,
-                    ),
-                    self.compat_hash,
-                )
-                for r in self.ranks
-            }
+            records = encode_records(self.ranks, self.generation, self.compat_hash)
             self.server = SideChannelServer(config.side_channel_addr, records).start()
             self._pusher = PushWorker(
                 {r.rank: r for r in self.ranks},
