@@ -141,23 +141,24 @@ class Consumer:
                 for ep in peer.endpoints
             }
             recs = [r for rs in by_endpoint.values() for r in rs]
-            t1 = time.perf_counter()
             if len({r.tp_rank for r in recs}) != len(recs):
                 raise LayoutError(f"{peer.address}: several records claim the same TP rank")
             layouts = {r.tp_rank: layout_from_record(r) for r in recs}
             peer.generations = {r.tp_rank: r.generation for r in recs}
             peer.generation = peer.generations[min(peer.generations)]
             names = {r.tp_rank: r.agent_name for r in recs}
-            for cache in self.ranks.values():
-                for rec in recs:
-                    cache.backend.add_remote(rec.agent_metadata)
-            peer.agents = names
-            t2 = time.perf_counter()
+            t1 = time.perf_counter()  # fetched and decoded
+            # plan before touching NIXL: an incompatible peer leaves no agent behind
             runs = self.config.run_blocks
             peer.plans = {
                 d: pair_layouts(c.layout, layouts, max_run_blocks=runs)
                 for d, c in self.ranks.items()
             }
+            t2 = time.perf_counter()
+            for cache in self.ranks.values():
+                for rec in recs:
+                    cache.backend.add_remote(rec.agent_metadata)
+            peer.agents = names
             t3 = time.perf_counter()
             for d, plan in peer.plans.items():
                 backend = self.ranks[d].backend
@@ -172,8 +173,8 @@ class Consumer:
             t4 = time.perf_counter()
             peer.timings_s = {
                 "fetch": t1 - t0,
-                "add_agent": t2 - t1,
-                "build": t3 - t2,
+                "build": t2 - t1,
+                "add_agent": t3 - t2,
                 "prepare": t4 - t3,
             }
             self._monitor.watch(

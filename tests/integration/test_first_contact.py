@@ -40,3 +40,27 @@ def test_slow_first_contact_does_not_block_known_peer() -> None:
         assert mismatches(spec, local, spec, lids, rids) == 0
         assert stuck.wait(10) is RequestState.PEER_LOST  # side channel never answered
         assert "no reply within timeout" in str(stuck.error)
+
+
+def test_refused_pairing_leaves_no_agent_behind() -> None:
+    """Block size ratio with fan-out TP is refused before any NIXL state is created."""
+    from kvxfer.errors import IncompatibleError
+
+    p_specs = [
+        spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16, block_size=8) for r in range(2)
+    ]
+    d_spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16, block_size=16)
+    with (
+        Producer(
+            EngineConfig("p", model_name="tiny-gqa"), [(s, allocate_cache(s)) for s in p_specs]
+        ) as prod,
+        Consumer(
+            EngineConfig("d", model_name="tiny-gqa"), [(d_spec, allocate_cache(d_spec))]
+        ) as cons,
+    ):
+        t = cons.read("r", prod.address, local_block_ids=[1], remote_block_ids=[2, 3])
+        assert t.wait(10) is RequestState.FAILED
+        assert isinstance(t.error, IncompatibleError)
+        assert "block size ratio 2 with fan-out TP" in str(t.error)
+        assert cons.ranks[0].backend._remotes == set()  # no remote agent was added
+        assert prod.held_blocks == 0
