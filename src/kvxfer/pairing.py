@@ -273,7 +273,13 @@ def pair_layouts(
             continue
         if src.rank not in remotes:
             raise LayoutError(f"no record for remote rank {src.rank} (have {sorted(remotes)})")
-        base = _source_plan(src, local, remotes[src.rank], plan, kbsr)
+        remote = remotes[src.rank]
+        same = plan.ratio == 1 and kbsr == 1 and _same_lengths(local, remote)
+        base = (
+            _whole_views(src, local, remote)
+            if same
+            else _source_plan(src, local, remote, plan, kbsr)
+        )
         sources.append(with_run_rows(base, max_run_blocks))
     return PeerPlan(
         plan,
@@ -283,6 +289,25 @@ def pair_layouts(
         first.ppl,
         local.num_logical_blocks,
         first.num_logical_blocks,
+    )
+
+
+def _same_lengths(local: CacheLayout, remote: CacheLayout) -> bool:
+    """Equal TP, equal block bytes per view: every view is read whole (the common case)."""
+    return bool(np.array_equal(local.view_table[:, LEN], remote.view_table[:, LEN]))
+
+
+def _whole_views(src: Source, local: CacheLayout, remote: CacheLayout) -> SourcePlan:
+    """Fast path of :func:`_source_plan` when nothing is sliced: rows = the view tables."""
+    n = len(local.views)
+    state = local.view_classes // 8 == list(ViewKind).index(ViewKind.STATE)
+    return SourcePlan(
+        src.rank,
+        local.view_table.copy(),
+        remote.view_table.copy(),
+        np.arange(n, dtype=np.int64),
+        np.zeros(n, dtype=np.int64),
+        state,
     )
 
 
