@@ -145,7 +145,6 @@ class Consumer:
                 raise LayoutError(f"{peer.address}: several records claim the same TP rank")
             layouts = {r.tp_rank: layout_from_record(r) for r in recs}
             peer.generations = {r.tp_rank: r.generation for r in recs}
-            peer.generation = peer.generations[min(peer.generations)]
             names = {r.tp_rank: r.agent_name for r in recs}
             t1 = time.perf_counter()  # fetched and decoded
             # plan before touching NIXL: an incompatible peer leaves no agent behind

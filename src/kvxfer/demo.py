@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -270,7 +270,3 @@ def _summary(
         "producer": pstats,
         "verify_ok": bad == 0 and len(ok) == len(results) == o.num_requests,
     }
-
-
-def options_with(o: DemoOptions, **kw: Any) -> DemoOptions:
-    return replace(o, **kw)

@@ -144,6 +144,11 @@ class CacheLayout:
         return max(1, self.num_kv_heads // self.tp_size)
 
     @property
+    def state_mask(self) -> npt.NDArray[np.bool_]:
+        """``(V,) bool``: which views are STATE views (from ``view_classes``)."""
+        return self.view_classes // 8 == list(ViewKind).index(ViewKind.STATE)  # type: ignore[no-any-return]
+
+    @property
     def kernel_block_size(self) -> int:
         """Tokens per attention kernel block (``block_size // ppl``)."""
         return self.block_size // self.ppl

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from ._intmath import exact_div
 from .descriptors import ADDR, COUNT, LEN, STRIDE, U64, row_starts, strided_rows
 from .errors import IncompatibleError, LayoutError
-from .layout import CacheLayout, Shard, TokenLayout, View, ViewKind
+from .layout import CacheLayout, Shard, TokenLayout, View
 from .tp import Source, TpPlan, plan_tp
 
 __all__ = ["PeerPlan", "SourcePlan", "pair_layouts", "with_run_rows"]
@@ -300,7 +300,7 @@ def _same_lengths(local: CacheLayout, remote: CacheLayout) -> bool:
 def _whole_views(src: Source, local: CacheLayout, remote: CacheLayout) -> SourcePlan:
     """Fast path of :func:`_source_plan` when nothing is sliced: rows = the view tables."""
     n = len(local.views)
-    state = local.view_classes // 8 == list(ViewKind).index(ViewKind.STATE)
+    state = local.state_mask
     return SourcePlan(
         src.rank,
         local.view_table.copy(),
@@ -335,7 +335,7 @@ def _source_plan(
     if not idx.size:
         raise LayoutError(f"source rank {src.rank} reads no view")
     lcol, rcol, pc = lcol[idx], rcol[idx], per_view[idx, 1:]  # (S, 5), (S, 5), (S, 3)
-    is_state = local.view_classes[idx] // 8 == list(ViewKind).index(ViewKind.STATE)
+    is_state = local.state_mask[idx]
     nsub = np.where(is_state, 1, kbsr)  # ATTN views split into kbsr sub-block rows
     rep = np.repeat(np.arange(idx.size), nsub)  # (R,) selected view of each row
     sub = np.arange(rep.size) - np.repeat(np.cumsum(nsub) - nsub, nsub)  # (R,) k of each row

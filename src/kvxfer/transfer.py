@@ -29,7 +29,7 @@ class PeerInfo:
 
     Attributes:
         address: the producer's side-channel endpoint.
-        generation: the producer incarnation the prepared lists belong to.
+        generations: remote rank -> producer incarnation the prepared lists belong to.
         timings_s: first-contact phases: fetch, add_agent, build, prepare.
         num_rows, num_descriptors: strided rows prepared vs descriptors they stand for.
     """
@@ -37,7 +37,6 @@ class PeerInfo:
     address: str
     ready: threading.Event = field(default_factory=threading.Event)
     error: KvxferError | None = None
-    generation: int = 0  # of the lowest remote rank (all ranks, for a one-process engine)
     generations: dict[int, int] = field(default_factory=dict)  # remote rank -> generation
     plans: dict[int, PeerPlan] = field(default_factory=dict)
     lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
@@ -45,7 +44,11 @@ class PeerInfo:
     timings_s: dict[str, float] = field(default_factory=dict)
     num_rows: int = 0
     num_descriptors: int = 0
-    remote_spec_block_size: int = 0
+
+    @property
+    def generation(self) -> int:
+        """Generation of the lowest remote rank (of every rank for a one-process engine)."""
+        return self.generations[min(self.generations)] if self.generations else 0
 
     @property
     def endpoints(self) -> list[str]:
