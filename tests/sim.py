@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.descriptors import dense_rows
-from kvxfer.layout import CacheLayout
-from kvxfer.pairing import PeerPlan, pair_layouts
-from kvxfer.pattern import fill, mismatches, relayout_bsr
-from kvxfer.plan import RequestPlan, plan_request
-from kvxfer.spec import LayoutSpec
+from kvxfer.engine.relayout import relayout_bsr
+from kvxfer.layout.model import CacheLayout
+from kvxfer.layout.spec import LayoutSpec
+from kvxfer.planning.descriptors import dense_rows
+from kvxfer.planning.pairing import PeerPlan, pair_layouts
+from kvxfer.planning.request import RequestPlan, plan_request
+from kvxfer.testing.pattern import fill, mismatches
 
 
 @dataclass

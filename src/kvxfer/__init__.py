@@ -10,8 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .descriptors import dense_rows, layout_rows, reference_rows, row_starts
-from .errors import (
+from kvxfer.errors import (
     DeadlineError,
     IncompatibleError,
     KvxferError,
@@ -20,35 +19,36 @@ from .errors import (
     ProtocolError,
     TransferError,
 )
-from .layout import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
-from .pairing import PeerPlan, SourcePlan, pair_layouts
-from .plan import RequestPlan, SourceIds, plan_request
-from .presets import PRESETS, spec_for
-from .spec import AttnKind, LayoutSpec, StateSpec
-from .tp import TpPlan, plan_tp
+from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer.layout.presets import PRESETS, spec_for
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, row_starts
+from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
+from kvxfer.planning.request import RequestPlan, SourceIds, plan_request
+from kvxfer.planning.tp import TpPlan, plan_tp
 
 if TYPE_CHECKING:
-    from .consumer import Consumer
-    from .engine import EngineConfig, RequestState, allocate_cache
-    from .producer import Producer
-    from .transfer import PeerInfo, Transfer
+    from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
+    from kvxfer.engine.consumer import Consumer
+    from kvxfer.engine.producer import Producer
+    from kvxfer.engine.transfer import PeerInfo, Transfer
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Consumer": "consumer",
-    "EngineConfig": "engine",
-    "PeerInfo": "transfer",
-    "Producer": "producer",
-    "RequestState": "engine",
-    "Transfer": "transfer",
-    "allocate_cache": "engine",
+    "Consumer": "kvxfer.engine.consumer",
+    "EngineConfig": "kvxfer.engine.config",
+    "PeerInfo": "kvxfer.engine.transfer",
+    "Producer": "kvxfer.engine.producer",
+    "RequestState": "kvxfer.engine.config",
+    "Transfer": "kvxfer.engine.transfer",
+    "allocate_cache": "kvxfer.engine.config",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")
 
 

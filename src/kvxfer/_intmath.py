@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import LayoutError
+from kvxfer.errors import LayoutError
 
 
 def exact_div(num: int, den: int, what: str) -> int:

@@ -1,13 +1,13 @@
 """Fault-test helpers: producer engines in spawned processes, the consumer in this one.
 
-A :class:`ProducerProc` runs :class:`kvxfer.producer.Producer` in a process started
+A :class:`ProducerProc` runs :class:`kvxfer.engine.producer.Producer` in a process started
 with ``multiprocessing`` 'spawn'. It fills its cache (byte pattern by default), sends
 back its side-channel address and generation over a Pipe, then obeys commands:
 ``hold`` (acknowledged, so a ReadDone never races its hold), ``stats``, ``wait_free``
 and ``stop``. The test can SIGKILL, SIGSTOP and SIGCONT it. Every wait is bounded.
 
 The consumer runs in the test process (:func:`make_consumer`); :func:`verify` counts
-mismatching bytes of a received request with :func:`kvxfer.pattern.mismatches`.
+mismatching bytes of a received request with :func:`kvxfer.testing.pattern.mismatches`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.engine import EngineConfig, RequestState, allocate_cache
-from kvxfer.pattern import mismatches
-from kvxfer.presets import spec_for
-from kvxfer.spec import LayoutSpec
+from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
+from kvxfer.layout.presets import spec_for
+from kvxfer.layout.spec import LayoutSpec
+from kvxfer.testing.pattern import mismatches
 
 START_TIMEOUT_S = 60.0  # spawn + import nixl + fill + agent creation, on a busy 2-core box
 REPLY_TIMEOUT_S = 20.0
@@ -65,8 +65,8 @@ def _stats(prod: Any, freed: Counter[str]) -> dict[str, Any]:
 
 
 def _producer_main(conn: Connection, opts: dict[str, Any]) -> None:
-    from kvxfer.pattern import fill
-    from kvxfer.producer import Producer
+    from kvxfer.engine.producer import Producer
+    from kvxfer.testing.pattern import fill
 
     ranks = []
     for p in opts["ranks"] if opts.get("ranks") is not None else range(opts["tp"]):
@@ -244,8 +244,8 @@ def make_consumer(
     handshake_timeout_s: float = 5.0,
     heartbeat_s: float = 1.0,
 ) -> tuple[Any, list[tuple[LayoutSpec, list[Any]]]]:
-    """A :class:`kvxfer.consumer.Consumer` over zeroed buffers; returns it and its ranks."""
-    from kvxfer.consumer import Consumer
+    """A :class:`kvxfer.engine.consumer.Consumer` over zeroed buffers; returns it and its ranks."""
+    from kvxfer.engine.consumer import Consumer
 
     ranks = []
     for d in range(tp):

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer.engine import RequestState
+from kvxfer.engine.config import RequestState
 
 from .procs import clear, ids, make_consumer, verify, wait_all
 

@@ -15,9 +15,10 @@ import time
 import pytest
 import zmq
 
-from kvxfer.engine import EngineConfig, RequestState
-from kvxfer.nixl_backend import NixlBackend
-from kvxfer.schema import (
+from kvxfer.engine.config import EngineConfig, RequestState
+from kvxfer.transport.nixl import NixlBackend
+from kvxfer.transport.side_channel import fetch_records
+from kvxfer.wire import (
     MAX_LEASE_IDS,
     MAX_MSG_BYTES,
     MAX_SIDE_REQUEST_BYTES,
@@ -34,7 +35,6 @@ from kvxfer.schema import (
     encode_msg,
     encode_side,
 )
-from kvxfer.side_channel import fetch_records
 
 from .procs import MODEL, ids, make_consumer, verify
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer.engine import RequestState
+from kvxfer.engine.config import RequestState
 
 from .procs import make_consumer, start_all, states, verify, wait_all
 

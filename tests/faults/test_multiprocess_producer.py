@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer.engine import RequestState
+from kvxfer.engine.config import RequestState
 
 from .procs import ids, make_consumer, spec, verify
 

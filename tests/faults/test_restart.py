@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.engine import RequestState
+from kvxfer.engine.config import RequestState
 
 from .procs import free_port, ids, make_consumer, verify
 

@@ -13,9 +13,9 @@ import sys
 
 import numpy as np
 
-from kvxfer.engine import EngineConfig, RequestState, allocate_cache
-from kvxfer.pattern import fill, mismatches
-from kvxfer.presets import spec_for
+from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
+from kvxfer.layout.presets import spec_for
+from kvxfer.testing.pattern import fill, mismatches
 
 PRESET, BLOCKS = "tiny-gqa", 64
 
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--write", action="store_true")
     a = p.parse_args()
     if a.role == "producer":
-        from kvxfer.producer import Producer
+        from kvxfer.engine.producer import Producer
 
         spec = spec_for(PRESET, tp_rank=0, tp_size=1, num_blocks=BLOCKS)
         bufs = allocate_cache(spec)
@@ -42,7 +42,7 @@ def main() -> None:
             print(f"READY {prod.address}", flush=True)
             sys.stdin.read()  # serve until the test closes our stdin
         return
-    from kvxfer.consumer import Consumer
+    from kvxfer.engine.consumer import Consumer
 
     specs = [spec_for(PRESET, tp_rank=d, tp_size=2, num_blocks=BLOCKS) for d in range(2)]
     ranks = [(s, allocate_cache(s)) for s in specs]

@@ -1,6 +1,6 @@
 """Real NIXL between a producer and a consumer process: every byte of every request checked.
 
-Each case runs ``kvxfer.demo.run_demo``: two spawned processes, a ZMQ handshake, NIXL
+Each case runs ``kvxfer.cli.demo_run.run_demo``: two spawned processes, a ZMQ handshake, NIXL
 READs, and a byte-pattern check of (layer, block, head, token, byte) on the consumer.
 CI runs a covering subset (each layout, each TP pair, bsr 2); ``scripts/test.sh --full``
 runs the whole matrix.
@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from kvxfer.demo import DemoOptions, run_demo
+from kvxfer.cli.demo_run import DemoOptions, run_demo
 
 LAYOUTS = {
     "split_kv": ("tiny-gqa", None),

@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer.consumer import Consumer
-from kvxfer.engine import EngineConfig, RequestState, allocate_cache
-from kvxfer.pattern import fill, mismatches
-from kvxfer.presets import spec_for
-from kvxfer.producer import Producer
+from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
+from kvxfer.engine.consumer import Consumer
+from kvxfer.engine.producer import Producer
+from kvxfer.layout.presets import spec_for
+from kvxfer.testing.pattern import fill, mismatches
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

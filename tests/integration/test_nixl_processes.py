@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("nixl_cu12")
 
 from kvxfer.errors import PeerLostError
-from kvxfer.nixl_backend import NixlBackend, PreparedList, XferOp, XferState
+from kvxfer.transport.nixl import NixlBackend, PreparedList, XferOp, XferState
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

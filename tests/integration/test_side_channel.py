@@ -12,8 +12,10 @@ import pytest
 import zmq
 
 from kvxfer.errors import IncompatibleError, LayoutError, PeerLostError, ProtocolError
-from kvxfer.layout import CacheLayout
-from kvxfer.schema import (
+from kvxfer.layout.model import CacheLayout
+from kvxfer.layout.spec import AttnKind, LayoutSpec
+from kvxfer.transport.side_channel import SideChannelServer, fetch_records
+from kvxfer.wire import (
     ErrorReply,
     GetRecords,
     Records,
@@ -25,8 +27,6 @@ from kvxfer.schema import (
     model_facts,
     record_from_layout,
 )
-from kvxfer.side_channel import SideChannelServer, fetch_records
-from kvxfer.spec import AttnKind, LayoutSpec
 
 SPEC = LayoutSpec(AttnKind.SPLIT_KV, 4, 64, 16, 8, 128, tp_size=2)
 H = compat_hash(model_facts(SPEC, model_name="m", dtype="bf16", kv_dtype="bf16"))

@@ -11,7 +11,7 @@ import pytest
 from kvxfer.bench.descriptors import BUILDERS, bench_layout, fill_contiguous, fill_floor
 from kvxfer.bench.report import dumps_json
 from kvxfer.cli.main import main
-from kvxfer.descriptors import dense_rows, layout_rows, reference_rows
+from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows
 
 
 def test_quick_writes_json_and_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

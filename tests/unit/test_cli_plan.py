@@ -41,7 +41,7 @@ def write(tmp_path: Path, doc: dict[str, Any], name: str = "plan.json") -> Path:
 
 def test_split_kv_tp1_to_tp2_rank1_rows_and_ids(capsys: pytest.CaptureFixture[str]) -> None:
     doc = run_json(capsys, SPLIT)
-    assert doc["format"] == "kvxfer.plan/1"
+    assert doc["format"] == "kvxfer.planning.request/1"
     pair = doc["pairing"]
     assert (pair["mode"], pair["ratio"], pair["source_ranks"], pair["notify_only"]) == (
         "fan-in", 2, [0], []

@@ -7,13 +7,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvxfer.descriptors import view_rows
 from kvxfer.errors import IncompatibleError, KvxferError, LayoutError
-from kvxfer.layout import CacheLayout, Region, Shard, View, ViewKind
-from kvxfer.pairing import PeerPlan, pair_layouts
-from kvxfer.plan import plan_request
-from kvxfer.spec import AttnKind, LayoutSpec, StateSpec
-from kvxfer.tp import plan_tp
+from kvxfer.layout.model import CacheLayout, Region, Shard, View, ViewKind
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.planning.descriptors import view_rows
+from kvxfer.planning.pairing import PeerPlan, pair_layouts
+from kvxfer.planning.request import plan_request
+from kvxfer.planning.tp import plan_tp
 
 BASE = 1 << 40
 

@@ -12,7 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import (
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import CacheLayout, TokenLayout, ViewKind
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.planning.descriptors import (
     ADDR,
     COUNT,
     LEN,
@@ -24,9 +27,6 @@ from kvxfer.descriptors import (
     validate_rows,
     view_rows,
 )
-from kvxfer.errors import LayoutError
-from kvxfer.layout import CacheLayout, TokenLayout, ViewKind
-from kvxfer.spec import AttnKind, LayoutSpec, StateSpec
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvxfer.engine.leases import FreeReason, LeaseTable
 from kvxfer.errors import LayoutError
-from kvxfer.leases import FreeReason, LeaseTable
 
 
 def test_freed_after_last_expected_consumer() -> None:

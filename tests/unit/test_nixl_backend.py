@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("nixl_cu12")
 
 from kvxfer.errors import LayoutError, PeerLostError, ProtocolError, TransferError
-from kvxfer.nixl_backend import (
+from kvxfer.transport.nixl import (
     NixlBackend,
     PreparedList,
     XferHandle,

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import ADDR, LEN, dense_rows
 from kvxfer.errors import IncompatibleError, LayoutError
-from kvxfer.layout import CacheLayout, TokenLayout, ViewKind
-from kvxfer.pairing import PeerPlan, pair_layouts
-from kvxfer.plan import RequestPlan, plan_request
-from kvxfer.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.layout.model import CacheLayout, TokenLayout, ViewKind
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.planning.descriptors import ADDR, LEN, dense_rows
+from kvxfer.planning.pairing import PeerPlan, pair_layouts
+from kvxfer.planning.request import RequestPlan, plan_request
 from tests.sim import inside, run_case
 
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (1, 8), (8, 1)]  # (P, D)

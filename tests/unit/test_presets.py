@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout import CacheLayout, Shard, TokenLayout, ViewKind
-from kvxfer.presets import (
+from kvxfer.layout.model import CacheLayout, Shard, TokenLayout, ViewKind
+from kvxfer.layout.presets import (
     PRESETS,
     attn_block_size_for_state,
     describe,
     format_bytes,
     spec_for,
 )
-from kvxfer.spec import AttnKind, LayoutSpec
+from kvxfer.layout.spec import AttnKind, LayoutSpec
 
 REQUIRED = ("llama3-8b", "qwen-32b", "deepseek-v3", "nemotron-h", "qwen3.5-gdn", "tiny-gqa")
 

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.errors import IncompatibleError, LayoutError, ProtocolError
-from kvxfer.layout import CacheLayout
-from kvxfer.schema import (
+from kvxfer.layout.model import CacheLayout
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.wire import (
     MAX_AGENT_METADATA_BYTES,
     MAX_LEASE_IDS,
     MAX_RECORD_BYTES,
@@ -39,7 +40,6 @@ from kvxfer.schema import (
     model_facts,
     record_from_layout,
 )
-from kvxfer.spec import AttnKind, LayoutSpec, StateSpec
 
 HYBRID_STATE = StateSpec(num_layers=3, conv_cols=(1024, 256, 256), conv_kernel=4, ssm_bytes=65536)
 SPECS = {

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout import CacheLayout, TokenLayout
-from kvxfer.spec import AttnKind, LayoutSpec
-from kvxfer.torch_layout import layout_from_kv_tensors
+from kvxfer.layout.model import CacheLayout, TokenLayout
+from kvxfer.layout.spec import AttnKind, LayoutSpec
+from kvxfer.layout.tensors import layout_from_kv_tensors
 
 L, NB, BS, K, D = 3, 6, 16, 4, 8  # layers, logical blocks, block size, KV heads, head dim
 
@@ -23,14 +23,14 @@ def _no_torch(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_module_imports_without_torch() -> None:
-    proc = _no_torch("import kvxfer.torch_layout, kvxfer.presets")
+    proc = _no_torch("import kvxfer.layout.tensors, kvxfer.layout.presets")
     assert proc.returncode == 0, proc.stderr
 
 
 def test_calling_without_torch_says_how_to_install() -> None:
     code = (
-        "from kvxfer.torch_layout import layout_from_kv_tensors as f\n"
-        "from kvxfer.spec import AttnKind\n"
+        "from kvxfer.layout.tensors import layout_from_kv_tensors as f\n"
+        "from kvxfer.layout.spec import AttnKind\n"
         "f([], kind=AttnKind.MLA, block_size=16, num_kv_heads=1)\n"
     )
     proc = _no_torch(code)

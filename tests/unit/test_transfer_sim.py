@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.layout import TokenLayout
-from kvxfer.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.layout.model import TokenLayout
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 from tests.sim import run_case
 
 MAMBA2 = StateSpec(num_layers=2, conv_cols=(32, 8, 8), conv_kernel=4, ssm_bytes=256)
@@ -154,9 +154,9 @@ def test_cross_layer_same_tp() -> None:
 
 def test_corruption_is_detected() -> None:
     """The oracle must catch a wrong head offset: swap source rank data and see bytes differ."""
-    from kvxfer.pairing import pair_layouts
-    from kvxfer.pattern import mismatches
-    from kvxfer.plan import plan_request
+    from kvxfer.planning.pairing import pair_layouts
+    from kvxfer.planning.request import plan_request
+    from kvxfer.testing.pattern import mismatches
     from tests.sim import alloc, transfer
 
     local = alloc(spec(AttnKind.SPLIT_KV, 2).with_rank(1))

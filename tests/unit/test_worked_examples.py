@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvxfer.descriptors import dense_rows
-from kvxfer.layout import CacheLayout, Shard, ViewKind
-from kvxfer.pairing import PeerPlan, SourcePlan, pair_layouts
-from kvxfer.plan import SourceIds, plan_request
-from kvxfer.spec import AttnKind, LayoutSpec, StateSpec
-from kvxfer.tp import plan_tp
+from kvxfer.layout.model import CacheLayout, Shard, ViewKind
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.planning.descriptors import dense_rows
+from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
+from kvxfer.planning.request import SourceIds, plan_request
+from kvxfer.planning.tp import plan_tp
 
 GiB4 = 1 << 32
 LB = 1 << 40  # local region i at LB + i * GiB4

@@ -100,8 +100,8 @@ def _ok(flag: bool, evaluated: bool = True) -> str:
 
 
 def _section_descriptors(doc: dict[str, Any]) -> list[str]:
-    from .descriptors import BUILDERS, _table_rows
-    from .report import fmt_ratio, markdown_table
+    from kvxfer.bench.descriptors import BUILDERS, _table_rows
+    from kvxfer.bench.report import fmt_ratio, markdown_table
 
     cols = ["blocks", "descriptors", *BUILDERS, "dense/floor", "dense/strided", "loop/dense",
             "loop MB", "dense MB", "strided MB", "floor MB"]  # fmt: skip
@@ -120,8 +120,8 @@ def _section_descriptors(doc: dict[str, Any]) -> list[str]:
 
 
 def _section_first_contact(doc: dict[str, Any]) -> list[str]:
-    from .first_contact import COLUMNS, table_rows
-    from .report import fmt_ratio, markdown_table
+    from kvxfer.bench.first_contact import COLUMNS, table_rows
+    from kvxfer.bench.report import fmt_ratio, markdown_table
 
     t, c = doc["targets"], doc["config"]
     return [
@@ -150,8 +150,8 @@ def _section_first_contact(doc: dict[str, Any]) -> list[str]:
 
 
 def _section_per_request(doc: dict[str, Any]) -> list[str]:
-    from .per_request import C_COLUMNS, COLUMNS, coalesced_table_rows, table_rows
-    from .report import fmt_ratio, fmt_seconds, markdown_table
+    from kvxfer.bench.per_request import C_COLUMNS, COLUMNS, coalesced_table_rows, table_rows
+    from kvxfer.bench.report import fmt_ratio, fmt_seconds, markdown_table
 
     t, c = doc["targets"], doc["config"]
     lines = [
@@ -200,8 +200,8 @@ def _section_per_request(doc: dict[str, Any]) -> list[str]:
 
 
 def _section_bandwidth(doc: dict[str, Any]) -> list[str]:
-    from .bandwidth import RUN_COLUMNS, SIZE_COLUMNS, run_rows, size_rows
-    from .report import markdown_table
+    from kvxfer.bench.bandwidth import RUN_COLUMNS, SIZE_COLUMNS, run_rows, size_rows
+    from kvxfer.bench.report import markdown_table
 
     t, c = doc["targets"], doc["config"]
     return [

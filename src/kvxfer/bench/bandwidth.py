@@ -1,6 +1,6 @@
 """``kvxfer bench bandwidth``: cross-process READ / WRITE GB/s next to memcpy.
 
-A spawned target process registers one buffer with a :class:`~kvxfer.nixl_backend.NixlBackend`
+A spawned target process registers one buffer with a :class:`~kvxfer.transport.nixl.NixlBackend`
 (progress thread on, 1 ms delay) and fills it with seeded bytes; the initiator in this
 process (progress thread off: it polls) registers its own buffer of the same size.
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..nixl_backend import NixlBackend, PreparedList, XferOp, XferState
+from kvxfer.transport.nixl import NixlBackend, PreparedList, XferOp, XferState
 
 __all__ = ["DEFAULT_SIZES", "RUN_LENGTHS", "memcpy_gbps", "run", "run_bench"]
 
@@ -158,7 +158,7 @@ def run_bench(
     """Size and run-length sweeps, READ then WRITE, plus the memcpy baseline."""
     import multiprocessing as mp
 
-    from .first_contact import _recv_from
+    from kvxfer.bench.first_contact import _recv_from
 
     t0 = time.perf_counter()
     nbytes = 2 * total_bytes  # size sweep: descriptors 2 * size apart
@@ -259,7 +259,7 @@ def run_rows(doc: dict[str, Any]) -> list[list[object]]:
 
 
 def print_report(doc: dict[str, Any]) -> None:
-    from .report import default_console, make_table
+    from kvxfer.bench.report import default_console, make_table
 
     con = default_console()
     mc = doc["memcpy_gbps"]
@@ -280,7 +280,7 @@ def print_report(doc: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvxfer bench bandwidth``; returns the exit code."""
-    from .report import progress_bar, save_loglog_png, write_json
+    from kvxfer.bench.report import progress_bar, save_loglog_png, write_json
 
     sizes = DEFAULT_SIZES
     total = (8 if args.quick else 64) * MIB

@@ -3,10 +3,10 @@
 Four builders over one deterministic SPLIT_KV-like layout (``num_views`` regions, K and
 V per layer, fake addresses, no memory allocated behind them), all in one process:
 
-- ``loop``: :func:`kvxfer.descriptors.reference_rows`, the per-block Python loop the
+- ``loop``: :func:`kvxfer.planning.descriptors.reference_rows`, the per-block Python loop the
   field started from (the baseline);
-- ``dense``: :func:`kvxfer.descriptors.dense_rows`, ``(M, 3) uint64`` rows;
-- ``strided``: :func:`kvxfer.descriptors.layout_rows`, ``(N, 5) uint64`` rows from the
+- ``dense``: :func:`kvxfer.planning.descriptors.dense_rows`, ``(M, 3) uint64`` rows;
+- ``strided``: :func:`kvxfer.planning.descriptors.layout_rows`, ``(N, 5) uint64`` rows from the
   layout (one per view);
 - ``floor``: allocate an ``(M, 3) uint64`` array and fill its three columns, the memory
   bandwidth floor any dense builder pays.
@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from .._intmath import ceil_div
-from ..descriptors import dense_rows, layout_rows, reference_rows, strided_rows
-from ..errors import LayoutError
-from ..layout import CacheLayout
-from ..spec import AttnKind, LayoutSpec
+from kvxfer._intmath import ceil_div
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import CacheLayout
+from kvxfer.layout.spec import AttnKind, LayoutSpec
+from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, strided_rows
 
 __all__ = [
     "BUILDERS",
@@ -225,7 +225,7 @@ def run_bench(
 
 
 def _table_rows(doc: dict[str, Any]) -> list[list[object]]:
-    from .report import fmt_ratio, fmt_seconds
+    from kvxfer.bench.report import fmt_ratio, fmt_seconds
 
     out: list[list[object]] = []
     for r in doc["results"]:
@@ -243,7 +243,7 @@ def _table_rows(doc: dict[str, Any]) -> list[list[object]]:
 
 
 def _print_report(doc: dict[str, Any]) -> None:
-    from .report import default_console, fmt_ratio, fmt_seconds, make_table
+    from kvxfer.bench.report import default_console, fmt_ratio, fmt_seconds, make_table
 
     con = default_console()
     cols = ["blocks", "descriptors", "loop", "dense", "strided", "floor", "dense/floor",
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from .report import save_loglog_png, write_json
+    from kvxfer.bench.report import save_loglog_png, write_json
 
     doc = run_bench(blocks, views, args.repeat, progress=lambda m: print(m, file=sys.stderr))
     _print_report(doc)

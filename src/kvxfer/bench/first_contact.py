@@ -1,7 +1,7 @@
 """``kvxfer bench first-contact``: from a producer's address to the first verified bytes.
 
-A real :class:`~kvxfer.producer.Producer` runs in a spawned process per cache size; the
-benchmark process hosts :class:`~kvxfer.consumer.Consumer` engines, created before the
+A real :class:`~kvxfer.engine.producer.Producer` runs in a spawned process per cache size; the
+benchmark process hosts :class:`~kvxfer.engine.consumer.Consumer` engines, created before the
 clock starts (as a decode engine exists before it meets a producer). The clock runs from
 ``Consumer.read(address=...)`` (the consumer learns the address) to the first request's
 bytes compared with the producer's pattern. Phases: side-channel ``fetch``,
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..engine import U8, EngineConfig, RequestState, allocate_cache
-from ..spec import AttnKind, LayoutSpec
+from kvxfer.engine.config import U8, EngineConfig, RequestState, allocate_cache
+from kvxfer.layout.spec import AttnKind, LayoutSpec
 
 __all__ = ["DEFAULT_BLOCKS", "MODES", "bench_spec", "region_pattern", "run", "run_bench"]
 
@@ -65,7 +65,7 @@ def region_pattern(region: int, offsets: npt.NDArray[np.int64]) -> U8:
 
 
 def _producer_main(num_blocks: int, num_views: int, conn: Connection) -> None:
-    from ..producer import Producer
+    from kvxfer.engine.producer import Producer
 
     spec = bench_spec(num_blocks, num_views)
     bufs = allocate_cache(spec)
@@ -101,7 +101,7 @@ def _contact(
     address: str, spec: LayoutSpec, mode: str, tag: str, rng: np.random.Generator
 ) -> dict[str, Any]:
     """One consumer: first request (timed by phase), then a warm one; both verified."""
-    from ..consumer import Consumer
+    from kvxfer.engine.consumer import Consumer
 
     bufs = allocate_cache(spec)
     cfg = EngineConfig(f"fc-d-{tag}", model_name=MODEL, deadline_s=120.0,
@@ -237,8 +237,8 @@ COLUMNS = ["blocks", "descriptors", "mode", "fetch", "add agent", "build", "prep
 
 
 def table_rows(doc: dict[str, Any]) -> list[list[object]]:
-    from .report import fmt_ratio
-    from .report import fmt_seconds as f
+    from kvxfer.bench.report import fmt_ratio
+    from kvxfer.bench.report import fmt_seconds as f
 
     out: list[list[object]] = []
     for r in doc["results"]:
@@ -254,7 +254,7 @@ def table_rows(doc: dict[str, Any]) -> list[list[object]]:
 
 
 def print_report(doc: dict[str, Any]) -> None:
-    from .report import default_console, fmt_ratio, make_table
+    from kvxfer.bench.report import default_console, fmt_ratio, make_table
 
     con = default_console()
     views = doc["config"]["num_views"]
@@ -274,7 +274,7 @@ def print_report(doc: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvxfer bench first-contact``; returns the exit code."""
-    from .report import progress_bar, save_loglog_png, write_json
+    from kvxfer.bench.report import progress_bar, save_loglog_png, write_json
 
     blocks = tuple(args.blocks) if args.blocks else (QUICK_BLOCKS if args.quick else DEFAULT_BLOCKS)
     views = QUICK_VIEWS if args.quick else DEFAULT_VIEWS

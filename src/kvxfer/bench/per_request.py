@@ -3,17 +3,17 @@
 A qwen-32b-shaped cache (64 layers x K/V = 128 views, 8 KV heads, 16-token blocks) with
 ``head_dim`` shrunk to 1 and 1-byte elements, so that pools of thousands of blocks fit in
 RAM on both sides; descriptor counts and merging are those of the real preset (checked
-against :func:`kvxfer.presets.spec_for` in every case). Two or three
-:class:`~kvxfer.nixl_backend.NixlBackend` agents live in this process: the initiator
+against :func:`kvxfer.layout.presets.spec_for` in every case). Two or three
+:class:`~kvxfer.transport.nixl.NixlBackend` agents live in this process: the initiator
 (progress thread off, it polls) and one target per producer rank (progress thread on,
 1 ms delay); UCX moves the bytes across agents (loopback).
 
 For 1K / 8K / 32K-token requests, contiguous vs scattered block ids, TP 1->1, fan-in
 1->2 and fan-out 2->1, each piece is timed separately (``perf_counter`` wall and
 ``process_time`` CPU, median of ``repeat`` runs after one verified warm-up):
-``ids`` (:func:`kvxfer.plan.plan_request`), ``make`` (``make_xfer`` per source),
+``ids`` (:func:`kvxfer.planning.request.plan_request`), ``make`` (``make_xfer`` per source),
 ``post`` and ``done`` (polling to completion). The bytes of the warm-up are verified
-with :func:`kvxfer.pattern.mismatches`.
+with :func:`kvxfer.testing.pattern.mismatches`.
 
 The experiment :func:`coalesced_ids` prepares extra strided rows of run-width
 descriptors (``2^k`` blocks) so that a contiguous run of ``n`` blocks is sent as
@@ -35,14 +35,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..descriptors import COUNT, LEN, STRIDE
-from ..engine import U8, allocate_cache
-from ..nixl_backend import NixlBackend, PreparedList, XferHandle, XferOp, XferState
-from ..pairing import PeerPlan, SourcePlan, pair_layouts
-from ..pattern import fill, mismatches
-from ..plan import expand_ids, plan_request
-from ..presets import spec_for
-from ..spec import AttnKind, LayoutSpec
+from kvxfer.engine.config import U8, allocate_cache
+from kvxfer.layout.presets import spec_for
+from kvxfer.layout.spec import AttnKind, LayoutSpec
+from kvxfer.planning.descriptors import COUNT, LEN, STRIDE
+from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
+from kvxfer.planning.request import expand_ids, plan_request
+from kvxfer.testing.pattern import fill, mismatches
+from kvxfer.transport.nixl import NixlBackend, PreparedList, XferHandle, XferOp, XferState
 
 __all__ = ["TP_CASES", "coalesced_ids", "coalesced_rows", "run", "run_bench"]
 
@@ -443,7 +443,7 @@ C_COLUMNS = ["variant", "tokens", "blocks", "descriptors", "ids cpu", "make cpu"
 
 
 def table_rows(doc: dict[str, Any]) -> list[list[object]]:
-    from .report import fmt_seconds as f
+    from kvxfer.bench.report import fmt_seconds as f
 
     return [[r["tp"], r["tokens"], "contig" if r["contiguous"] else "scattered",
              f"{r['num_descriptors']:,}", f"{r['num_runs']:,}", f(r["cpu_s"]["ids"]),
@@ -453,8 +453,8 @@ def table_rows(doc: dict[str, Any]) -> list[list[object]]:
 
 
 def coalesced_table_rows(doc: dict[str, Any]) -> list[list[object]]:
-    from .report import fmt_ratio
-    from .report import fmt_seconds as f
+    from kvxfer.bench.report import fmt_ratio
+    from kvxfer.bench.report import fmt_seconds as f
 
     plain = {(r["tokens"], r["contiguous"]): r for r in doc["results"] if r["tp"] == "1->1"}
     out: list[list[object]] = []
@@ -469,7 +469,7 @@ def coalesced_table_rows(doc: dict[str, Any]) -> list[list[object]]:
 
 
 def print_report(doc: dict[str, Any]) -> None:
-    from .report import default_console, fmt_ratio, fmt_seconds, make_table
+    from kvxfer.bench.report import default_console, fmt_ratio, fmt_seconds, make_table
 
     con = default_console()
     con.print(make_table("per-request CPU (median; cpu before wire = ids + make)", COLUMNS,
@@ -492,7 +492,7 @@ def print_report(doc: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvxfer bench per-request``; returns the exit code."""
-    from .report import progress_bar, save_loglog_png, write_json
+    from kvxfer.bench.report import progress_bar, save_loglog_png, write_json
 
     tokens = tuple(args.tokens) if args.tokens else (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     setup = Setup(8, 256) if args.quick else Setup(64, 4096)

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..demo import DemoOptions, run_demo
-from ..errors import KvxferError
+from kvxfer.cli.demo_run import DemoOptions, run_demo
+from kvxfer.errors import KvxferError
 
 
 def add_demo_parser(subparsers: Any, handler: Any) -> None:

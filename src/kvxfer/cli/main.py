@@ -16,7 +16,7 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .plan_cmd import run
+    from kvxfer.cli.plan_cmd import run
 
     return run(args)
 
@@ -38,7 +38,7 @@ def add_plan_parser(subparsers: Subparsers) -> None:
 
 
 def _run_bench_descriptors(args: argparse.Namespace) -> int:
-    from ..bench.descriptors import run
+    from kvxfer.bench.descriptors import run
 
     return run(args)
 
@@ -139,14 +139,14 @@ def add_bench_parser(subparsers: Subparsers) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo_cmd import run
+    from kvxfer.cli.demo_cmd import run
 
     return run(args)
 
 
 def add_demo_parser(subparsers: Subparsers) -> None:
     """``kvxfer demo``: the main job (producer and consumer processes, verified bytes)."""
-    from .demo_cmd import add_demo_parser as add
+    from kvxfer.cli.demo_cmd import add_demo_parser as add
 
     add(subparsers, _run_demo)
 

@@ -1,8 +1,8 @@
 """``kvxfer plan FILE``: dry-run the planner on two layouts and an optional request.
 
 Reads a JSON (or TOML) plan file (see ``docs/plan-input.md``), pairs the local rank with
-the remote engine (:func:`kvxfer.pairing.pair_layouts`), maps the request's block ids
-(:func:`kvxfer.plan.plan_request`) and prints tables, or with ``--json`` one document
+the remote engine (:func:`kvxfer.planning.pairing.pair_layouts`), maps the request's block ids
+(:func:`kvxfer.planning.request.plan_request`) and prints tables, or with ``--json`` one document
 whose format is versioned by ``"format"``.
 """
 
@@ -17,16 +17,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..descriptors import LEN
-from ..errors import LayoutError
-from ..layout import CacheLayout
-from ..pairing import PeerPlan, SourcePlan, pair_layouts
-from ..plan import RequestPlan, SourceIds, plan_request
-from .records import PlanInput, load_plan_input
+from kvxfer.cli.records import PlanInput, load_plan_input
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import CacheLayout
+from kvxfer.planning.descriptors import LEN
+from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
+from kvxfer.planning.request import RequestPlan, SourceIds, plan_request
 
 __all__ = ["FORMAT", "plan_document", "read_plan_file", "run"]
 
-FORMAT = "kvxfer.plan/1"  # bump when a key of the --json document changes meaning
+FORMAT = "kvxfer.planning.request/1"  # bump when a key of the --json document changes meaning
 
 
 def read_plan_file(path: str | Path) -> PlanInput:
@@ -200,7 +200,7 @@ def plan_document(
 
 
 def _print_tables(doc: dict[str, Any]) -> None:
-    from ..bench.report import default_console, make_table
+    from kvxfer.bench.report import default_console, make_table
 
     con = default_console()
     if "local" in doc:
@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     doc = plan_document(inp, peer, req, request_only=args.request_only)
     if args.json:
-        from ..bench.report import dumps_json
+        from kvxfer.bench.report import dumps_json
 
         sys.stdout.write(dumps_json(doc) + "\n")
     else:

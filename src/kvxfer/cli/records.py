@@ -1,4 +1,4 @@
-"""Plan input files: JSON/TOML dicts -> :class:`~kvxfer.layout.CacheLayout` values (pure).
+"""Plan input files: JSON/TOML dicts -> :class:`~kvxfer.layout.model.CacheLayout` values (pure).
 
 The format is documented in ``docs/plan-input.md``. Every missing or mistyped field
 raises :class:`~kvxfer.errors.LayoutError` whose message starts with the JSON path of
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-from .._intmath import ceil_div
-from ..errors import LayoutError
-from ..layout import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
-from ..spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer._intmath import ceil_div
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 
 __all__ = [
     "DEFAULT_BASE_ADDR",

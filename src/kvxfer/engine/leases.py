@@ -12,7 +12,7 @@ import heapq
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .errors import LayoutError
+from kvxfer.errors import LayoutError
 
 __all__ = ["FreeReason", "LeaseTable"]
 

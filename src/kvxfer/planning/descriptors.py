@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .errors import LayoutError
-from .layout import CacheLayout, View
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import CacheLayout, View
 
 __all__ = [
     "ADDR",

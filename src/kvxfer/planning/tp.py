@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import IncompatibleError, LayoutError
+from kvxfer.errors import IncompatibleError, LayoutError
 
 __all__ = ["Source", "TpPlan", "plan_tp"]
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ._intmath import ceil_div, require_positive
-from .errors import LayoutError
-from .layout import TokenLayout
-from .spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer._intmath import ceil_div, require_positive
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import TokenLayout
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 
 __all__ = [
     "PRESETS",

@@ -22,8 +22,8 @@ from typing import Any
 import nixl_cu12._bindings as _nixl
 import numpy as np
 
-from .descriptors import COUNT, dense_rows, validate_rows
-from .errors import KvxferError, LayoutError, PeerLostError, ProtocolError, TransferError
+from kvxfer.errors import KvxferError, LayoutError, PeerLostError, ProtocolError, TransferError
+from kvxfer.planning.descriptors import COUNT, dense_rows, validate_rows
 
 __all__ = ["NixlBackend", "PreparedList", "XferHandle", "XferOp", "XferState"]
 

@@ -25,10 +25,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._intmath import exact_div, require_positive
-from .errors import LayoutError
-from .layout import CacheLayout, Region, Shard, TokenLayout, View
-from .spec import AttnKind
+from kvxfer._intmath import exact_div, require_positive
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View
+from kvxfer.layout.spec import AttnKind
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,7 @@ def _import_torch() -> Any:
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
-        raise ImportError("kvxfer.torch_layout needs torch: pip install 'kvxfer[torch]'") from exc
+        raise ImportError("kvxfer.layout.tensors needs torch: pip install 'kvxfer[torch]'") from exc
     return torch
 
 

@@ -14,8 +14,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from .errors import KvxferError, PeerLostError
-from .side_channel import fetch_records
+from kvxfer.errors import KvxferError, PeerLostError
+from kvxfer.transport.side_channel import fetch_records
 
 __all__ = ["PeerMonitor"]
 

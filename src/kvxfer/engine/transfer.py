@@ -7,18 +7,25 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from .engine import RequestState
-from .errors import DeadlineError, KvxferError
-from .nixl_backend import PreparedList, XferHandle, XferOp
-from .pairing import PeerPlan
+from kvxfer.engine.config import RequestState
+from kvxfer.errors import DeadlineError, KvxferError
+from kvxfer.planning.pairing import PeerPlan
+from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp
 
-if TYPE_CHECKING:
-    from .consumer import Consumer
+
+class RequestDriver(Protocol):
+    """What a :class:`Transfer` needs from the engine that owns it (a narrow context,
+    so requests do not import the consumer)."""
+
+    def advance(self, transfer: Transfer) -> RequestState:
+        """Advance ``transfer``'s state machine one step and return its state."""
+        ...
+
 
 __all__ = ["PeerInfo", "Transfer", "num_bytes"]
 
@@ -61,7 +68,7 @@ class Transfer:
     """One request read by every (selected) local rank. Poll or wait; never blocks forever."""
 
     request_id: str
-    consumer: Consumer
+    consumer: RequestDriver
     peer: PeerInfo
     deadline: float
     local_ids: npt.NDArray[np.int64]
@@ -85,7 +92,7 @@ class Transfer:
 
     def poll(self) -> RequestState:
         """Advance the request and return its state (terminal states stay put)."""
-        return self.consumer._advance(self)
+        return self.consumer.advance(self)
 
     def wait(self, timeout_s: float | None = None) -> RequestState:
         """Poll until terminal or ``timeout_s`` (the request's own deadline always applies)."""

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from ._intmath import exact_div, require_positive
-from .errors import LayoutError
-from .layout import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer._intmath import exact_div, require_positive
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
 
 __all__ = ["AttnKind", "LayoutSpec", "StateSpec"]
 

@@ -1,6 +1,6 @@
 """A request's transfer plan: block ids -> descriptor indices per source rank (pure).
 
-Given a :class:`~kvxfer.pairing.PeerPlan` and one request's logical block ids on both
+Given a :class:`~kvxfer.planning.pairing.PeerPlan` and one request's logical block ids on both
 sides, :func:`plan_request` returns, per source rank, equal-length ``int64`` arrays of
 local and remote descriptor indices into the prepared lists built from the
 source's rows. No Python work per descriptor.
@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .descriptors import LEN, STRIDE
-from .errors import LayoutError
-from .pairing import PeerPlan, SourcePlan
+from kvxfer.errors import LayoutError
+from kvxfer.planning.descriptors import LEN, STRIDE
+from kvxfer.planning.pairing import PeerPlan, SourcePlan
 
 __all__ = ["RequestPlan", "SourceIds", "expand_ids", "plan_request"]
 

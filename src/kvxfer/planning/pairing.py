@@ -3,7 +3,7 @@
 :func:`pair_layouts` validates two sides, computes the TP plan and returns, per
 source rank, matched strided rows: local row ``j`` and remote row ``j`` describe the
 same bytes (equal lengths), block by block. Request ids are mapped onto these rows by
-:mod:`kvxfer.plan`.
+:mod:`kvxfer.planning.request`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from ._intmath import exact_div
-from .descriptors import ADDR, COUNT, LEN, STRIDE, U64, row_starts, strided_rows
-from .errors import IncompatibleError, LayoutError
-from .layout import CacheLayout, Shard, TokenLayout, View
-from .tp import Source, TpPlan, plan_tp
+from kvxfer._intmath import exact_div
+from kvxfer.errors import IncompatibleError, LayoutError
+from kvxfer.layout.model import CacheLayout, Shard, TokenLayout, View
+from kvxfer.planning.descriptors import ADDR, COUNT, LEN, STRIDE, U64, row_starts, strided_rows
+from kvxfer.planning.tp import Source, TpPlan, plan_tp
 
 __all__ = ["PeerPlan", "SourcePlan", "pair_layouts", "with_run_rows"]
 

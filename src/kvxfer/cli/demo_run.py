@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from .engine import EngineConfig, RequestState, allocate_cache
-from .errors import IncompatibleError, KvxferError
-from .pattern import fill, mismatches
-from .presets import spec_for
-from .spec import AttnKind, LayoutSpec
+from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
+from kvxfer.errors import IncompatibleError, KvxferError
+from kvxfer.layout.presets import spec_for
+from kvxfer.layout.spec import AttnKind, LayoutSpec
+from kvxfer.testing.pattern import fill, mismatches
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -117,7 +117,7 @@ class _FreeBlocks:
 
 
 def _producer_main(o: DemoOptions, conn: Connection) -> None:
-    from .producer import Producer
+    from kvxfer.engine.producer import Producer
 
     ranks = []
     for p in range(o.producer_tp):
@@ -153,7 +153,7 @@ def _consumer_main(
 
 
 def _consume(o: DemoOptions, address: str, reqs: list[dict[str, Any]], conn: Connection) -> None:
-    from .consumer import Consumer
+    from kvxfer.engine.consumer import Consumer
 
     ranks = [(o.spec("d", d), allocate_cache(o.spec("d", d))) for d in range(o.consumer_tp)]
     remote = o.spec("p")

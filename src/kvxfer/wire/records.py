@@ -1,112 +1,39 @@
-"""Everything that crosses a process: msgspec Structs, versioning, limits (no pickle).
-
-Wire format of a handshake record (msgpack)::
-
-    envelope = [compat_hash: str, payload: bin]      payload = msgpack(LayoutRecord)
-
-:func:`decode_record` decodes the envelope only, compares ``compat_hash`` with the
-local one, and only then decodes the payload; every size is bounded before
-anything is allocated (see the ``MAX_*`` constants). Notifications are a tagged
-union (tag field ``"t"``) of small Structs, as are side-channel requests/replies.
-
-Schema evolution rules (``SCHEMA_VERSION`` = 1):
-
-1. A new field is appended with a default, so old payloads still decode; decoders
-   ignore fields they do not know, so new payloads decode on old peers.
-2. A field's type and meaning never change; a field is never renamed or removed
-   (deprecate it and keep decoding it).
-3. Tags (``"t"``) are never reused; a new message gets a new tag.
-4. Anything else (a changed meaning, a removed field) bumps ``SCHEMA_VERSION``,
-   which is part of :func:`compat_hash`, so old and new peers refuse each other
-   with :class:`IncompatibleError` instead of misreading each other.
-"""
+"""Handshake records: a layout on the wire, in a ``(compat_hash, payload)`` envelope."""
 
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta, Struct
 
-from .errors import IncompatibleError, LayoutError, ProtocolError
-from .layout import MAX_ADDR, CacheLayout, Region, Shard, TokenLayout, View, ViewKind
-from .spec import AttnKind, LayoutSpec
-
-__all__ = [
-    "MAX_AGENT_METADATA_BYTES",
-    "MAX_COUNT",
-    "MAX_DESCRIPTORS",
-    "MAX_LEASE_IDS",
-    "MAX_MSG_BYTES",
-    "MAX_RECORD_BYTES",
-    "MAX_REGIONS",
-    "MAX_SIDE_REPLY_BYTES",
-    "MAX_SIDE_REQUEST_BYTES",
-    "MAX_VIEWS",
-    "SCHEMA_VERSION",
-    "Abort",
-    "ErrorReply",
-    "Failed",
-    "GetRecords",
-    "Heartbeat",
-    "LayoutRecord",
-    "LeaseRenew",
-    "ModelFacts",
-    "Msg",
-    "PushRequest",
-    "ReadDone",
-    "Records",
-    "RegionRecord",
-    "SideMsg",
-    "ViewRecord",
-    "WriteDone",
-    "compat_hash",
-    "decode_msg",
-    "decode_record",
-    "decode_side",
-    "encode_msg",
-    "encode_record",
-    "encode_side",
-    "layout_from_record",
-    "model_facts",
-    "peek_hash",
-    "record_from_layout",
-]
-
-SCHEMA_VERSION = 1
-
-MAX_RECORD_BYTES = 16 << 20  # one encoded envelope
-MAX_AGENT_METADATA_BYTES = 8 << 20  # NIXL agent blobs: a few KB to ~1 MB
-MAX_REGIONS = 65536
-MAX_VIEWS = 1 << 20
-MAX_COUNT = 1 << 32  # blocks in one view
-MAX_DESCRIPTORS = 1 << 32  # sum of view counts (flat descriptor indices)
-MAX_NAME_LEN = 256  # names, engine ids, agent names
-MAX_HASH_LEN = 128
-MAX_REQUEST_ID_LEN = 200
-MAX_REASON_LEN = 1024
-MAX_LEASE_IDS = 256
-MAX_PUSH_IDS = 4096  # block ids per list in one PushRequest (fits MAX_MSG_BYTES)
-MAX_MSG_BYTES = 64 << 10  # one notification / control message
-MAX_RANKS = 4096  # ranks named in one side-channel request or reply
-MAX_SIDE_REQUEST_BYTES = 64 << 10
-MAX_SIDE_REPLY_BYTES = 64 << 20
-
-U64 = Annotated[int, Meta(ge=0)]  # msgpack cannot carry more than 2**64 - 1
-SmallInt = Annotated[int, Meta(ge=0, le=1 << 32)]
-Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
-Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
-HashStr = Annotated[str, Meta(max_length=MAX_HASH_LEN)]
-RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LEN)]
-Reason = Annotated[str, Meta(max_length=MAX_REASON_LEN)]
-
+from kvxfer.errors import IncompatibleError, LayoutError, ProtocolError
+from kvxfer.layout.model import MAX_ADDR, CacheLayout, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer.layout.spec import AttnKind, LayoutSpec
+from kvxfer.wire.limits import (
+    _ENCODER,
+    MAX_AGENT_METADATA_BYTES,
+    MAX_COUNT,
+    MAX_DESCRIPTORS,
+    MAX_HASH_LEN,
+    MAX_RECORD_BYTES,
+    MAX_REGIONS,
+    MAX_VIEWS,
+    SCHEMA_VERSION,
+    U64,
+    Count,
+    HashStr,
+    Name,
+    SmallInt,
+)
+from kvxfer.wire.limits import decode_bounded as _decode
 
 # ---------------------------------------------------------------- records
 
 
 class RegionRecord(Struct, frozen=True):
-    """Wire form of :class:`kvxfer.layout.Region`."""
+    """Wire form of :class:`kvxfer.layout.model.Region`."""
 
     base_addr: U64
     num_bytes: U64
@@ -115,7 +42,7 @@ class RegionRecord(Struct, frozen=True):
 
 
 class ViewRecord(Struct, frozen=True):
-    """Wire form of :class:`kvxfer.layout.View`."""
+    """Wire form of :class:`kvxfer.layout.model.View`."""
 
     region: Annotated[int, Meta(ge=0, lt=MAX_REGIONS)]
     offset: U64
@@ -210,21 +137,6 @@ _ENVELOPE = msgspec.msgpack.Decoder(
 _PEEK = msgspec.msgpack.Decoder(tuple[HashStr, msgspec.Raw])
 _VERSION = msgspec.msgpack.Decoder(_VersionOnly)
 _RECORD = msgspec.msgpack.Decoder(LayoutRecord)
-_ENCODER = msgspec.msgpack.Encoder()
-
-T = TypeVar("T")
-
-
-def _decode(dec: msgspec.msgpack.Decoder[T], buf: Any, what: str, max_bytes: int) -> T:
-    """Decode ``buf`` with ``dec``; any failure or oversize becomes ProtocolError."""
-    if not isinstance(buf, bytes | bytearray | memoryview):
-        raise ProtocolError(f"{what}: expected bytes, got {type(buf).__name__}")
-    if len(buf) > max_bytes:
-        raise ProtocolError(f"{what}: {len(buf)} bytes exceeds the limit of {max_bytes}")
-    try:
-        return dec.decode(buf)
-    except (msgspec.MsgspecError, RecursionError, ValueError, OverflowError) as e:
-        raise ProtocolError(f"{what}: {e}") from None
 
 
 def check_record(rec: LayoutRecord, error: type[Exception] = ProtocolError) -> None:
@@ -350,143 +262,3 @@ def layout_from_record(rec: LayoutRecord) -> CacheLayout:
         )
     except LayoutError as e:
         raise ProtocolError(f"peer record: {e}") from None
-
-
-# ---------------------------------------------------------------- notifications
-# Tags in use (never reuse one): rd wd ab fl lr hb | get recs err
-
-
-class _Msg(Struct, frozen=True, tag_field="t"):
-    pass
-
-
-class ReadDone(_Msg, frozen=True, tag="rd"):
-    """Consumer rank ``consumer_rank`` of ``consumer_size`` finished reading a request."""
-
-    request_id: RequestId
-    generation: U64
-    consumer_rank: SmallInt
-    consumer_size: SmallInt
-
-
-class WriteDone(_Msg, frozen=True, tag="wd"):
-    """Producer rank ``producer_rank`` of ``producer_size`` finished writing a request (push)."""
-
-    request_id: RequestId
-    generation: U64
-    producer_rank: SmallInt
-    producer_size: SmallInt
-
-
-class Abort(_Msg, frozen=True, tag="ab"):
-    """The sender gave up on a request (deadline, cancel): the receiver frees its blocks."""
-
-    request_id: RequestId
-    generation: U64
-    reason: Reason = ""
-
-
-class Failed(_Msg, frozen=True, tag="fl"):
-    """A transfer of a request failed on the sender's side."""
-
-    request_id: RequestId
-    generation: U64
-    reason: Reason = ""
-
-
-class LeaseRenew(_Msg, frozen=True, tag="lr"):
-    """The consumer still wants these requests' blocks: extend their leases."""
-
-    request_ids: Annotated[tuple[RequestId, ...], Meta(max_length=MAX_LEASE_IDS)]
-    generation: U64
-
-
-class Heartbeat(_Msg, frozen=True, tag="hb"):
-    """The sender (of incarnation ``generation``) is alive."""
-
-    generation: U64
-
-
-BlockIds = Annotated[
-    tuple[Annotated[int, Meta(ge=0, le=1 << 40)], ...], Meta(max_length=MAX_PUSH_IDS)
-]
-
-
-class PushRequest(_Msg, frozen=True, tag="pr"):
-    """Push mode: consumer rank ``consumer_rank`` asks a producer rank to WRITE a request.
-
-    ``consumer_address`` is the consumer engine's side channel (the producer fetches its
-    records there on first contact). ``*_block_ids`` are logical ids as in
-    :func:`kvxfer.plan.plan_request` (``local`` = the consumer's).
-    """
-
-    request_id: RequestId
-    generation: U64
-    consumer_address: Name
-    consumer_rank: SmallInt
-    consumer_size: SmallInt
-    local_block_ids: BlockIds
-    remote_block_ids: BlockIds
-    local_state_ids: BlockIds | None = None
-    remote_state_ids: BlockIds | None = None
-    num_cached_blocks: SmallInt = 0
-
-
-Msg = ReadDone | WriteDone | Abort | Failed | LeaseRenew | Heartbeat | PushRequest
-_MSG = msgspec.msgpack.Decoder(Msg)
-
-
-def encode_msg(msg: Msg) -> bytes:
-    """Return the msgpack bytes of a notification; LayoutError if a peer would refuse it."""
-    try:
-        buf = _ENCODER.encode(msg)
-        if len(buf) > MAX_MSG_BYTES:
-            raise LayoutError(f"message of {len(buf)} bytes exceeds {MAX_MSG_BYTES}")
-        _MSG.decode(buf)  # checks every bound the receiver checks
-    except (msgspec.MsgspecError, OverflowError) as e:
-        raise LayoutError(f"message: {e}") from None
-    return buf
-
-
-def decode_msg(buf: bytes) -> Msg:
-    """Decode a notification; ProtocolError on anything malformed or oversized."""
-    return _decode(_MSG, buf, "message", MAX_MSG_BYTES)
-
-
-# ---------------------------------------------------------------- side channel
-
-
-class GetRecords(_Msg, frozen=True, tag="get"):
-    """Ask a side-channel server for the records of ``ranks`` (None: all ranks)."""
-
-    ranks: Annotated[tuple[SmallInt, ...], Meta(max_length=MAX_RANKS)] | None
-    expected_hash: HashStr
-
-
-class Records(_Msg, frozen=True, tag="recs"):
-    """Reply to GetRecords: one encoded envelope per requested rank, in request order."""
-
-    records: Annotated[
-        tuple[Annotated[bytes, Meta(max_length=MAX_RECORD_BYTES)], ...], Meta(max_length=MAX_RANKS)
-    ]
-
-
-class ErrorReply(_Msg, frozen=True, tag="err"):
-    """The server refused a request. ``code``: incompatible, unknown_rank, malformed, internal."""
-
-    code: Name
-    message: Reason
-
-
-SideMsg = GetRecords | Records | ErrorReply
-_SIDE = msgspec.msgpack.Decoder(SideMsg)
-
-
-def encode_side(msg: SideMsg) -> bytes:
-    """Return the msgpack bytes of a side-channel request or reply."""
-    return _ENCODER.encode(msg)
-
-
-def decode_side(buf: bytes, max_bytes: int = MAX_SIDE_REPLY_BYTES) -> SideMsg:
-    """Decode a side-channel message of at most ``max_bytes``; ProtocolError otherwise."""
-    return _decode(_SIDE, buf, "side-channel message", max_bytes)

@@ -1,23 +1,17 @@
-"""What producer and consumer engines share: configuration, rank caches, request states."""
+"""What producer and consumer engines share: configuration, request states, cache allocation."""
 
 from __future__ import annotations
 
-import os
-import secrets
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
 import numpy.typing as npt
 
-from .errors import LayoutError
-from .layout import CacheLayout
-from .nixl_backend import NixlBackend
-from .schema import compat_hash, encode_record, model_facts, record_from_layout
-from .spec import LayoutSpec
+from kvxfer.layout.spec import LayoutSpec
+from kvxfer.wire import compat_hash, model_facts
 
-__all__ = ["EngineConfig", "RankCache", "RequestState", "allocate_cache", "encode_records"]
+__all__ = ["U8", "EngineConfig", "RequestState", "allocate_cache"]
 
 U8 = npt.NDArray[np.uint8]
 
@@ -93,65 +87,3 @@ def allocate_cache(spec: LayoutSpec) -> list[U8]:
         start = (-raw.ctypes.data) % 4096
         out.append(raw[start : start + n])
     return out
-
-
-class RankCache:
-    """One TP rank of an engine: its spec, buffers, layout and registered NIXL agent.
-
-    The buffers must outlive the rank; :meth:`close` deregisters them.
-    """
-
-    def __init__(
-        self, spec: LayoutSpec, bufs: Sequence[U8], agent_name: str, config: EngineConfig
-    ) -> None:
-        sizes = spec.region_bytes()
-        if len(bufs) != len(sizes) or any(b.nbytes != n for b, n in zip(bufs, sizes, strict=True)):
-            raise LayoutError(f"buffers {[b.nbytes for b in bufs]} do not match regions {sizes}")
-        self.spec = spec
-        self.bufs = list(bufs)
-        self.layout: CacheLayout = spec.build(
-            [b.ctypes.data for b in bufs], engine_id=config.engine_id
-        )
-        self.backend = NixlBackend(
-            agent_name,
-            progress_delay_us=config.progress_delay_us,
-            thread_safe=True,
-            backend_params=dict(config.backend_params),
-        )
-        try:
-            self.backend.register(
-                [(r.base_addr, r.num_bytes, r.device_id) for r in self.layout.regions]
-            )
-        except BaseException:
-            self.backend.close()
-            raise
-
-    @property
-    def rank(self) -> int:
-        return self.spec.tp_rank
-
-    def close(self) -> None:
-        self.backend.close()
-
-
-def new_generation() -> int:
-    """A random 63-bit id for one process incarnation of an engine."""
-    return secrets.randbits(63) ^ (os.getpid() << 20) or 1
-
-
-def encode_records(
-    caches: Iterable[RankCache], generation: int, compat_hash: str
-) -> dict[int, bytes]:
-    """The handshake records an engine serves on its side channel, by TP rank."""
-    return {
-        c.rank: encode_record(
-            record_from_layout(
-                c.layout,
-                agent_name=c.backend.name,
-                agent_metadata=c.backend.metadata(),
-                generation=generation,
-            ),
-            compat_hash,
-        )
-        for c in caches
-    }

@@ -16,14 +16,18 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .engine import U8, EngineConfig, RankCache, RequestState, encode_records, new_generation
-from .errors import DeadlineError, KvxferError, LayoutError, PeerLostError, TransferError
-from .liveness import PeerMonitor
-from .nixl_backend import XferOp, XferState
-from .pairing import pair_layouts
-from .pattern import relayout_bsr
-from .plan import plan_request
-from .schema import (
+from kvxfer.engine.config import U8, EngineConfig, RequestState
+from kvxfer.engine.liveness import PeerMonitor
+from kvxfer.engine.rank import RankCache, encode_records, new_generation
+from kvxfer.engine.relayout import relayout_bsr
+from kvxfer.engine.transfer import PeerInfo, Transfer, num_bytes
+from kvxfer.errors import DeadlineError, KvxferError, LayoutError, PeerLostError, TransferError
+from kvxfer.layout.spec import LayoutSpec
+from kvxfer.planning.pairing import pair_layouts
+from kvxfer.planning.request import plan_request
+from kvxfer.transport.nixl import XferOp, XferState
+from kvxfer.transport.side_channel import SideChannelServer, fetch_records
+from kvxfer.wire import (
     Abort,
     Failed,
     LeaseRenew,
@@ -34,9 +38,6 @@ from .schema import (
     encode_msg,
     layout_from_record,
 )
-from .side_channel import SideChannelServer, fetch_records
-from .spec import LayoutSpec
-from .transfer import PeerInfo, Transfer, num_bytes
 
 __all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in transfer.py
 
@@ -221,7 +222,7 @@ class Consumer:
         Returns at once; ids are validated against both pools when the request is
         posted (a bad id ends the request FAILED with a LayoutError). ``ranks``
         selects local ranks (default: all hosted ranks). ``generation`` (the
-        producer's :attr:`~kvxfer.producer.Producer.generation` when it prefilled the
+        producer's :attr:`~kvxfer.engine.producer.Producer.generation` when it prefilled the
         request; a ``{rank: generation}`` map for a producer engine spread over several
         processes) pins the request to that incarnation: after a producer restart it
         ends PEER_LOST instead of reading another process's blocks. ``address`` is one
@@ -287,7 +288,8 @@ class Consumer:
             generation=generation,
         )  # fmt: skip
 
-    def _advance(self, t: Transfer) -> RequestState:
+    def advance(self, t: Transfer) -> RequestState:
+        """Advance one request's state machine (what :meth:`Transfer.poll` calls)."""
         if t.state.is_terminal:
             return t.state
         try:

@@ -1,6 +1,6 @@
 """Push mode on the producer: WRITE a request into blocks the consumer names.
 
-A consumer rank sends a :class:`~kvxfer.schema.PushRequest` notification to each of
+A consumer rank sends a :class:`~kvxfer.wire.PushRequest` notification to each of
 its source ranks. The producer's :class:`PushWorker` fetches the consumer engine's
 records on first contact (over the consumer's side channel), pairs the layouts from
 the consumer's point of view, prepares the two lists on the producer rank's agent and
@@ -16,13 +16,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .engine import RankCache
-from .errors import KvxferError, TransferError
-from .nixl_backend import PreparedList, XferHandle, XferOp, XferState
-from .pairing import PeerPlan, pair_layouts
-from .plan import plan_request
-from .schema import Failed, PushRequest, WriteDone, encode_msg, layout_from_record
-from .side_channel import fetch_records
+from kvxfer.engine.rank import RankCache
+from kvxfer.errors import KvxferError, TransferError
+from kvxfer.planning.pairing import PeerPlan, pair_layouts
+from kvxfer.planning.request import plan_request
+from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp, XferState
+from kvxfer.transport.side_channel import fetch_records
+from kvxfer.wire import Failed, PushRequest, WriteDone, encode_msg, layout_from_record
 
 __all__ = ["PushWorker"]
 

@@ -1,7 +1,7 @@
 """The handshake side channel over ZMQ: the only module that imports zmq.
 
 A producer runs one :class:`SideChannelServer` (a ROUTER socket in a daemon
-thread) that answers :class:`~kvxfer.schema.GetRecords` with its ranks' encoded
+thread) that answers :class:`~kvxfer.wire.GetRecords` with its ranks' encoded
 handshake records. A consumer calls :func:`fetch_records` on first contact with
 an engine. Addresses are configuration (``tcp://host:port``); nothing assumes
 one host.
@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-from .errors import IncompatibleError, LayoutError, PeerLostError, ProtocolError
-from .schema import (
+from kvxfer.errors import IncompatibleError, LayoutError, PeerLostError, ProtocolError
+from kvxfer.wire import (
     MAX_RANKS,
     MAX_REASON_LEN,
     MAX_SIDE_REPLY_BYTES,
@@ -52,7 +52,7 @@ class SideChannelServer:
     Args:
         bind_addr: ZMQ endpoint to bind, e.g. ``tcp://0.0.0.0:5600``; port 0 (or
             ``*``) picks a free port, reported by :attr:`address`.
-        records_by_rank: encoded envelopes (from :func:`~kvxfer.schema.encode_record`)
+        records_by_rank: encoded envelopes (from :func:`~kvxfer.wire.encode_record`)
             by rank, or a callable returning them, called on every request.
         max_request_bytes: requests larger than this are dropped by ZMQ itself.
 

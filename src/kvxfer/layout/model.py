@@ -19,7 +19,7 @@ from enum import Enum
 import numpy as np
 import numpy.typing as npt
 
-from .errors import LayoutError
+from kvxfer.errors import LayoutError
 
 __all__ = ["CacheLayout", "Region", "Shard", "TokenLayout", "View", "ViewKind"]
 

@@ -7,11 +7,14 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .engine import U8, EngineConfig, RankCache, encode_records, new_generation
-from .errors import KvxferError, LayoutError
-from .leases import FreeReason, LeaseTable
-from .pusher import PushWorker
-from .schema import (
+from kvxfer.engine.config import U8, EngineConfig
+from kvxfer.engine.leases import FreeReason, LeaseTable
+from kvxfer.engine.pusher import PushWorker
+from kvxfer.engine.rank import RankCache, encode_records, new_generation
+from kvxfer.errors import KvxferError, LayoutError
+from kvxfer.layout.spec import LayoutSpec
+from kvxfer.transport.side_channel import SideChannelServer
+from kvxfer.wire import (
     Abort,
     Failed,
     Heartbeat,
@@ -20,8 +23,6 @@ from .schema import (
     ReadDone,
     decode_msg,
 )
-from .side_channel import SideChannelServer
-from .spec import LayoutSpec
 
 __all__ = ["Producer"]
 

@@ -1,0 +1,75 @@
+"""Wire limits, versioning and the bounded decoder shared by records and messages.
+
+Wire format of a handshake record (msgpack)::
+
+    envelope = [compat_hash: str, payload: bin]      payload = msgpack(LayoutRecord)
+
+:func:`decode_record` decodes the envelope only, compares ``compat_hash`` with the
+local one, and only then decodes the payload; every size is bounded before
+anything is allocated (see the ``MAX_*`` constants). Notifications are a tagged
+union (tag field ``"t"``) of small Structs, as are side-channel requests/replies.
+
+Schema evolution rules (``SCHEMA_VERSION`` = 1):
+
+1. A new field is appended with a default, so old payloads still decode; decoders
+   ignore fields they do not know, so new payloads decode on old peers.
+2. A field's type and meaning never change; a field is never renamed or removed
+   (deprecate it and keep decoding it).
+3. Tags (``"t"``) are never reused; a new message gets a new tag.
+4. Anything else (a changed meaning, a removed field) bumps ``SCHEMA_VERSION``,
+   which is part of :func:`compat_hash`, so old and new peers refuse each other
+   with :class:`IncompatibleError` instead of misreading each other.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from kvxfer.errors import ProtocolError
+
+SCHEMA_VERSION = 1
+
+MAX_RECORD_BYTES = 16 << 20  # one encoded envelope
+MAX_AGENT_METADATA_BYTES = 8 << 20  # NIXL agent blobs: a few KB to ~1 MB
+MAX_REGIONS = 65536
+MAX_VIEWS = 1 << 20
+MAX_COUNT = 1 << 32  # blocks in one view
+MAX_DESCRIPTORS = 1 << 32  # sum of view counts (flat descriptor indices)
+MAX_NAME_LEN = 256  # names, engine ids, agent names
+MAX_HASH_LEN = 128
+MAX_REQUEST_ID_LEN = 200
+MAX_REASON_LEN = 1024
+MAX_LEASE_IDS = 256
+MAX_PUSH_IDS = 4096  # block ids per list in one PushRequest (fits MAX_MSG_BYTES)
+MAX_MSG_BYTES = 64 << 10  # one notification / control message
+MAX_RANKS = 4096  # ranks named in one side-channel request or reply
+MAX_SIDE_REQUEST_BYTES = 64 << 10
+MAX_SIDE_REPLY_BYTES = 64 << 20
+
+U64 = Annotated[int, Meta(ge=0)]  # msgpack cannot carry more than 2**64 - 1
+SmallInt = Annotated[int, Meta(ge=0, le=1 << 32)]
+Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
+HashStr = Annotated[str, Meta(max_length=MAX_HASH_LEN)]
+RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LEN)]
+Reason = Annotated[str, Meta(max_length=MAX_REASON_LEN)]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+T = TypeVar("T")
+
+
+def decode_bounded(dec: msgspec.msgpack.Decoder[T], buf: Any, what: str, max_bytes: int) -> T:
+    """Decode ``buf`` with ``dec``; any failure or oversize becomes ProtocolError."""
+    if not isinstance(buf, bytes | bytearray | memoryview):
+        raise ProtocolError(f"{what}: expected bytes, got {type(buf).__name__}")
+    if len(buf) > max_bytes:
+        raise ProtocolError(f"{what}: {len(buf)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return dec.decode(buf)
+    except (msgspec.MsgspecError, RecursionError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"{what}: {e}") from None
