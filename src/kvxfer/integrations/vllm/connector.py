@@ -1,0 +1,202 @@
+"""kvxfer as a vLLM v1 KV connector (imports vLLM; load it by module path).
+
+Configure both instances with::
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+                           "kv_connector_module_path": "kvxfer.integrations.vllm",
+                           "kv_role": "kv_both"}'
+
+vLLM builds one instance per process: the SCHEDULER role in the engine core (see
+:class:`~kvxfer.integrations.vllm.scheduler.SchedulerSide`) and the WORKER role in
+each TP worker (see :class:`~kvxfer.integrations.vllm.worker.WorkerSide`). Metadata
+passes from scheduler to workers once per step (:class:`KvxferMetadata`); workers
+publish their producer's address and generation at start
+(:class:`KvxferHandshake`), which vLLM hands to the scheduler side.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.request import RequestStatus
+
+from kvxfer.integrations.vllm.scheduler import (
+    HoldJob,
+    LoadJob,
+    ProducerRank,
+    SchedulerSide,
+)
+from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KvxferConnector", "KvxferHandshake", "KvxferMetadata"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KvxferMetadata(KVConnectorMetadata):
+    """One step's jobs, from the scheduler side to every worker."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    holds: list[HoldJob] = field(default_factory=list)
+
+
+@dataclass
+class KvxferHandshake(KVConnectorHandshakeMetadata):
+    """A prefill worker's producer endpoint, published once at start."""
+
+    tp_rank: int
+    address: str
+    generation: int
+
+
+def _extra(vllm_config: Any, key: str, default: Any) -> Any:
+    return vllm_config.kv_transfer_config.get_from_extra_config(key, default)
+
+
+def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
+    """The attention backend of the first KV layer (CPU_ATTN on the CPU platform)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "CPU_ATTN"
+    ctx = vllm_config.compilation_config.static_forward_context
+    layer = ctx.get(layer_names[0]) if layer_names else None
+    backend = getattr(layer, "attn_backend", None)
+    return str(backend.get_name()) if backend is not None else "unknown"
+
+
+class KvxferConnector(KVConnectorBase_V1):
+    """vLLM KV connector moving KV caches between P/D instances with kvxfer (pull mode).
+
+    Extra config keys (``kv_connector_extra_config``): ``side_channel_host``
+    (default 127.0.0.1), ``side_channel_port`` (0: ephemeral; else base port, rank
+    added), ``deadline_s`` (per load, default 30), ``lease_s`` (how long a prefill
+    holds blocks nobody reads, default 120), ``heartbeat_s`` (default 1),
+    ``model_name`` (in the compatibility hash; default the model's ``model_type``).
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv = vllm_config.kv_transfer_config
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._engine_id = str(kv.engine_id)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                engine_id=self._engine_id, block_size=self._block_size, tp_size=self._tp_size,
+                is_producer=kv.is_kv_producer, is_consumer=kv.is_kv_consumer,
+            )  # fmt: skip
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(
+            request.request_id, len(request.prompt_token_ids or ()),
+            request.kv_transfer_params, num_computed_tokens,
+        )  # fmt: skip
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self._scheduler.after_alloc(request.request_id, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        step = self._scheduler.take_step()
+        return KvxferMetadata(loads=step.loads, holds=step.holds)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        assert self._scheduler is not None
+        return self._scheduler.finished(
+            request.request_id, request.kv_transfer_params, block_ids,
+            request.num_computed_tokens,
+            request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
+        )  # fmt: skip
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:  # fmt: skip
+        if self._scheduler is None:
+            return
+        ranks = [
+            ProducerRank(m.tp_rank, m.address, m.generation)
+            for m in metadata.values()
+            if isinstance(m, KvxferHandshake)
+        ]
+        self._scheduler.set_producers(ranks)
+        log.info("kvxfer: producer ranks %s", [(r.tp_rank, r.address) for r in ranks])
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        cfg, kv = self._vllm_config, self._vllm_config.kv_transfer_config
+        names = list(kv_caches)
+        settings = WorkerSettings(
+            engine_id=self._engine_id,
+            tp_rank=get_tensor_model_parallel_rank(),
+            tp_size=self._tp_size,
+            block_size=self._block_size,
+            num_kv_heads=int(cfg.model_config.get_total_num_kv_heads()),
+            backend=_backend_name(cfg, names),
+            is_producer=kv.is_kv_producer,
+            is_consumer=kv.is_kv_consumer,
+            model_name=str(_extra(cfg, "model_name", cfg.model_config.hf_config.model_type)),
+            dtype=str(cfg.model_config.dtype).removeprefix("torch."),
+            host=str(_extra(cfg, "side_channel_host", "127.0.0.1")),
+            port=int(_extra(cfg, "side_channel_port", 0)),
+            deadline_s=float(_extra(cfg, "deadline_s", 30.0)),
+            lease_s=float(_extra(cfg, "lease_s", 120.0)),
+            heartbeat_s=float(_extra(cfg, "heartbeat_s", 1.0)),
+        )
+        self._worker = WorkerSide(settings)
+        self._worker.register([kv_caches[n] for n in names])
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or (hs := self._worker.handshake()) is None:
+            return None
+        return KvxferHandshake(self._worker.settings.tp_rank, hs[0], hs[1])
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferMetadata)
+        self._worker.start(meta.loads, meta.holds)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: vLLM schedules a request once it is loaded
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:  # fmt: skip
+        return None  # pull mode: the decode reads; nothing is pushed per layer
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        sending, recving = self._worker.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

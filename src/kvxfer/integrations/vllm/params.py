@@ -1,0 +1,152 @@
+"""The ``kv_transfer_params`` a prefill returns and a decode request carries (pure).
+
+vLLM's request-side convention is kept, so proxies and routers work unchanged: the
+prefill request carries ``{"do_remote_decode": true}``; the prefill's output carries
+the dict composed here, which the proxy passes unchanged to the decode request.
+Every field is plain JSON (the producer generations travel as hex strings: 63-bit
+integers do not survive a JavaScript proxy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.errors import ProtocolError
+
+__all__ = ["PARAMS_VERSION", "RemotePrefill", "compose_params", "parse_params"]
+
+PARAMS_VERSION = 1
+MAX_BLOCK_IDS = 1 << 20  # blocks of one request
+MAX_RANKS = 4096
+MAX_STR = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """What a decode needs to read a request's KV from the prefill engine that holds it.
+
+    Attributes:
+        engine_id: the prefill engine's id (its ``kv_transfer_config.engine_id``).
+        request_id: the prefill's request id: the producer holds the blocks under it.
+        address: the producer's side-channel endpoints, comma-separated, one per TP rank.
+        generations: the incarnation of each producer rank that holds the blocks.
+        block_ids: the prefill's block ids of the request, in token order.
+        block_size: tokens per block on the prefill.
+        tp_size: the prefill engine's tensor-parallel size.
+        num_tokens: prompt tokens whose KV the prefill computed.
+    """
+
+    engine_id: str
+    request_id: str
+    address: str
+    generations: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    block_size: int
+    tp_size: int
+    num_tokens: int
+
+    @property
+    def generation_map(self) -> dict[int, int]:
+        """``{producer rank: generation}`` as :meth:`kvxfer.engine.Consumer.read` takes it."""
+        return dict(enumerate(self.generations))
+
+
+def compose_params(remote: RemotePrefill) -> dict[str, Any]:
+    """The prefill's ``kv_transfer_params`` for the decode request (JSON-safe)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": remote.engine_id,
+        "remote_block_ids": list(remote.block_ids),
+        "tp_size": remote.tp_size,
+        "kvxfer": {
+            "version": PARAMS_VERSION,
+            "request_id": remote.request_id,
+            "address": remote.address,
+            "generations": [f"{g:x}" for g in remote.generations],
+            "block_size": remote.block_size,
+            "num_tokens": remote.num_tokens,
+        },
+    }
+
+
+def _field(d: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in d:
+        raise ProtocolError(f"kv_transfer_params: {where}{key} is missing")
+    v = d[key]
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise ProtocolError(f"kv_transfer_params: {where}{key} must be an integer, got {v!r:.80}")
+    if kind is str and (not isinstance(v, str) or len(v) > MAX_STR):
+        raise ProtocolError(f"kv_transfer_params: {where}{key} must be a string (<= {MAX_STR})")
+    if kind is list and not isinstance(v, list | tuple):
+        raise ProtocolError(f"kv_transfer_params: {where}{key} must be a list")
+    if kind is dict and not isinstance(v, Mapping):
+        raise ProtocolError(f"kv_transfer_params: {where}{key} must be an object")
+    return v
+
+
+def _ints(v: Sequence[Any], name: str, limit: int, upper: int) -> tuple[int, ...]:
+    if len(v) > limit:
+        raise ProtocolError(f"kv_transfer_params: {name} has {len(v)} entries (max {limit})")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < upper for x in v):
+        raise ProtocolError(f"kv_transfer_params: {name} must hold integers in [0, {upper})")
+    return tuple(int(x) for x in v)
+
+
+def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
+    """The remote prefill a decode request names, or None when it names none.
+
+    Raises:
+        ProtocolError: ``do_remote_prefill`` is set but a field is missing, of the wrong
+            type, out of bounds, or written by another kvxfer params version (the
+            message names the field).
+    """
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    x = _field(params, "kvxfer", dict, "")
+    version = _field(x, "version", int, "kvxfer.")
+    if version != PARAMS_VERSION:
+        raise ProtocolError(
+            f"kv_transfer_params: kvxfer.version is {version}, expected {PARAMS_VERSION}"
+        )
+    gens_hex = _field(x, "generations", list, "kvxfer.")
+    if not 1 <= len(gens_hex) <= MAX_RANKS:
+        raise ProtocolError(f"kv_transfer_params: kvxfer.generations has {len(gens_hex)} entries")
+    try:
+        gens = tuple(int(g, 16) for g in gens_hex if isinstance(g, str) and len(g) <= 16)
+    except ValueError:
+        gens = ()
+    if len(gens) != len(gens_hex):
+        raise ProtocolError("kv_transfer_params: kvxfer.generations must be hex strings")
+    tp_size = _field(params, "tp_size", int, "")
+    if tp_size != len(gens):
+        raise ProtocolError(
+            f"kv_transfer_params: tp_size {tp_size} != {len(gens)} generations (one per rank)"
+        )
+    address = _field(x, "address", str, "kvxfer.")
+    if len([a for a in address.split(",") if a.strip()]) not in (1, tp_size):
+        raise ProtocolError(
+            f"kv_transfer_params: kvxfer.address names {address.count(',') + 1} endpoints "
+            f"for tp_size {tp_size}"
+        )
+    block_size = _field(x, "block_size", int, "kvxfer.")
+    num_tokens = _field(x, "num_tokens", int, "kvxfer.")
+    block_ids = _ints(_field(params, "remote_block_ids", list, ""), "remote_block_ids",
+                      MAX_BLOCK_IDS, 1 << 40)  # fmt: skip
+    if block_size <= 0 or not 0 <= num_tokens <= len(block_ids) * block_size:
+        raise ProtocolError(
+            f"kv_transfer_params: kvxfer.num_tokens {num_tokens} does not fit "
+            f"{len(block_ids)} blocks of {block_size} tokens"
+        )
+    return RemotePrefill(
+        engine_id=_field(params, "remote_engine_id", str, ""),
+        request_id=_field(x, "request_id", str, "kvxfer."),
+        address=address,
+        generations=gens,
+        block_ids=block_ids,
+        block_size=block_size,
+        tp_size=tp_size,
+        num_tokens=num_tokens,
+    )

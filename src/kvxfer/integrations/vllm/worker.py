@@ -1,0 +1,167 @@
+"""The worker side of the vLLM connector: kvxfer engines over vLLM's KV tensors.
+
+Runs in each vLLM worker process (one TP rank). A prefill worker hosts a
+:class:`~kvxfer.engine.Producer` (blocks held per request until read); a decode
+worker hosts a :class:`~kvxfer.engine.Consumer` (one pull READ per request, started
+without blocking the forward pass and polled once per step). An engine with
+``kv_both`` hosts both.
+
+State is owned by vLLM's worker thread (it calls every method here); the engines'
+own threads are behind their public, thread-safe methods.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, Transfer
+from kvxfer.errors import KvxferError
+from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
+from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
+
+__all__ = ["WorkerSettings", "WorkerSide"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """What a worker needs to build its engines (from vLLM's config)."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    block_size: int
+    num_kv_heads: int
+    backend: str
+    is_producer: bool
+    is_consumer: bool
+    model_name: str
+    dtype: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: an ephemeral port; else port + tp_rank
+    deadline_s: float = 30.0
+    lease_s: float = 120.0
+    heartbeat_s: float = 1.0
+
+
+@dataclass(slots=True)
+class _Load:
+    job: LoadJob
+    transfer: Transfer | None
+    error: str = ""
+
+
+class WorkerSide:
+    """One worker's engines and the requests in flight through them."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self._loads: dict[str, _Load] = {}
+        self._held: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    def register(self, tensors: Sequence[Any]) -> None:
+        """Build the engines over this rank's per-layer KV tensors (layer order)."""
+        s = self.settings
+        spec, bufs = spec_from_vllm_tensors(
+            tensors, backend=s.backend, block_size=s.block_size, num_kv_heads=s.num_kv_heads,
+            tp_rank=s.tp_rank, tp_size=s.tp_size,
+        )  # fmt: skip
+        port = f"{s.port + s.tp_rank}" if s.port else "0"
+
+        def config(role: str, addr: str) -> EngineConfig:
+            return EngineConfig(
+                f"{s.engine_id}-{role}", side_channel_addr=addr, model_name=s.model_name,
+                dtype=s.dtype, kv_dtype=s.dtype, deadline_s=s.deadline_s, lease_s=s.lease_s,
+                heartbeat_s=s.heartbeat_s,
+            )  # fmt: skip
+
+        if s.is_producer:
+            self.producer = Producer(config("p", f"tcp://{s.host}:{port}"), [(spec, bufs)])
+        if s.is_consumer:
+            self.consumer = Consumer(config("d", f"tcp://{s.host}:0"), [(spec, bufs)])
+        log.info("kvxfer worker rank %d: %s, %d layers x %d blocks, producer %s",
+                 s.tp_rank, spec.kind.value, spec.num_layers, spec.num_blocks,
+                 self.producer.address if self.producer else "-")  # fmt: skip
+
+    def handshake(self) -> tuple[str, int] | None:
+        """``(address, generation)`` of this rank's producer, for the scheduler side."""
+        if self.producer is None:
+            return None
+        return self.producer.address, self.producer.generation
+
+    def start(self, loads: Iterable[LoadJob], holds: Iterable[HoldJob]) -> None:
+        """Start this step's loads (non-blocking READs) and holds."""
+        for h in holds:
+            if self.producer is None:
+                continue
+            self.producer.hold(h.request_id, num_blocks=len(h.block_ids))
+            self._held.add(h.request_id)
+        for job in loads:
+            self._start_load(job)
+
+    def _start_load(self, job: LoadJob) -> None:
+        if self.consumer is None:
+            self._loads[job.request_id] = _Load(job, None, "this engine is not a kv consumer")
+            return
+        try:
+            t = self.consumer.read(
+                job.remote.request_id, job.remote.address,
+                local_block_ids=list(job.local_block_ids),
+                remote_block_ids=list(job.remote_block_ids),
+                generation=job.remote.generation_map,
+                deadline_s=self.settings.deadline_s,
+            )  # fmt: skip
+        except KvxferError as e:
+            self._loads[job.request_id] = _Load(job, None, f"{type(e).__name__}: {e}")
+            return
+        self._loads[job.request_id] = _Load(job, t)
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """``(finished sending, finished receiving)`` request ids since the last call.
+
+        A load that ended in any state but DONE is reported finished too, with its
+        blocks in :meth:`take_load_errors`, so vLLM recomputes them (never decodes
+        from partial KV).
+        """
+        sending: set[str] = set()
+        if self.producer is not None:
+            for rid, reason in self.producer.pop_freed():
+                if rid in self._held:
+                    self._held.discard(rid)
+                    sending.add(rid)
+                    log.debug("request %s: blocks released (%s)", rid, reason)
+        recving: set[str] = set()
+        for rid, load in list(self._loads.items()):
+            state = load.transfer.poll() if load.transfer is not None else RequestState.FAILED
+            if not state.is_terminal:
+                continue
+            del self._loads[rid]
+            recving.add(rid)
+            if state is not RequestState.DONE:
+                err = load.error or (load.transfer.error if load.transfer else None)
+                log.warning("request %s: KV load ended %s (%s); vLLM recomputes %d blocks",
+                            rid, state.value, err, len(load.job.local_block_ids))  # fmt: skip
+                self._load_errors.update(load.job.local_block_ids)
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        """Local block ids whose load failed since the last call."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self) -> None:
+        """Close the engines (live loads end ABORTED; held blocks are released)."""
+        for engine in (self.consumer, self.producer):
+            if engine is not None:
+                try:
+                    engine.close()
+                except KvxferError as e:  # pragma: no cover - best effort at shutdown
+                    log.warning("kvxfer close: %s", e)
+        self.consumer = self.producer = None

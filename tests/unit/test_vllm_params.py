@@ -1,0 +1,146 @@
+"""The connector's pure parts: kv_transfer_params round trip and refusal, and the
+scheduler side's token matching, block pairing and hold bookkeeping."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kvxfer.errors import ProtocolError
+from kvxfer.integrations.vllm.params import RemotePrefill, compose_params, parse_params
+from kvxfer.integrations.vllm.scheduler import ProducerRank, SchedulerSide
+
+REMOTE = RemotePrefill(
+    engine_id="prefill-0",
+    request_id="cmpl-7",
+    address="tcp://127.0.0.1:5601,tcp://127.0.0.1:5602",
+    generations=(2**63 - 5, 17),
+    block_ids=(9, 4, 11),
+    block_size=32,
+    tp_size=2,
+    num_tokens=70,
+)
+
+
+def test_params_round_trip_through_json() -> None:
+    params = json.loads(json.dumps(compose_params(REMOTE)))  # what a proxy passes on
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_block_ids"] == [9, 4, 11]
+    assert params["kvxfer"]["generations"] == ["7ffffffffffffffb", "11"]  # hex: JS-safe
+    assert parse_params(params) == REMOTE
+    assert REMOTE.generation_map == {0: 2**63 - 5, 1: 17}
+
+
+def test_params_without_remote_prefill_name_none() -> None:
+    assert parse_params(None) is None
+    assert parse_params({"do_remote_decode": True}) is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda p: p.pop("kvxfer"), "kvxfer is missing"),
+        (lambda p: p["kvxfer"].update(version=2), "version is 2"),
+        (lambda p: p.update(remote_block_ids=[1, -1]), "remote_block_ids"),
+        (lambda p: p.update(remote_block_ids="1,2"), "must be a list"),
+        (lambda p: p.update(tp_size=3), "tp_size 3"),
+        (lambda p: p["kvxfer"].update(generations=["zz", "1"]), "hex strings"),
+        (lambda p: p["kvxfer"].update(num_tokens=97), "does not fit"),
+        (lambda p: p["kvxfer"].update(block_size=True), "must be an integer"),
+        (lambda p: p["kvxfer"].update(address="a,b,c"), "endpoints"),
+        (lambda p: p["kvxfer"].update(request_id=7), "must be a string"),
+    ],
+)
+def test_bad_params_are_refused_by_name(mutate, match: str) -> None:
+    params = json.loads(json.dumps(compose_params(REMOTE)))
+    mutate(params)
+    with pytest.raises(ProtocolError, match=match):
+        parse_params(params)
+
+
+def _decode_side() -> SchedulerSide:
+    return SchedulerSide(
+        engine_id="d", block_size=32, tp_size=1, is_producer=False, is_consumer=True
+    )
+
+
+def test_decode_matches_every_prefilled_prompt_token() -> None:
+    s = _decode_side()
+    params = compose_params(REMOTE)
+    assert s.matched_tokens("r1", 70, params, 0) == (70, True)
+    s.after_alloc("r1", [5, 6, 7], 70)
+    (job,) = s.take_step().loads
+    assert (job.request_id, job.local_block_ids, job.remote_block_ids) == (
+        "r1",
+        (5, 6, 7),
+        (9, 4, 11),
+    )
+    assert job.remote == REMOTE
+    assert s.take_step().loads == []  # one step's jobs are taken once
+
+
+def test_decode_with_local_prefix_hit_loads_only_the_rest() -> None:
+    s = _decode_side()
+    # two whole blocks (64 tokens) cached locally: only the third block is read
+    assert s.matched_tokens("r2", 70, compose_params(REMOTE), 64) == (6, True)
+    s.after_alloc("r2", [5, 6, 7], 6)
+    (job,) = s.take_step().loads
+    assert (job.local_block_ids, job.remote_block_ids) == ((7,), (11,))
+
+
+def test_decode_never_takes_tokens_the_prefill_did_not_compute() -> None:
+    s = _decode_side()
+    # the decode prompt is longer than what the prefill computed: the rest is computed locally
+    assert s.matched_tokens("r3", 90, compose_params(REMOTE), 0) == (70, True)
+    # a second allocation (after the load) brings no external tokens: no second load
+    s.after_alloc("r3", [1, 2, 3], 70)
+    s.after_alloc("r3", [1, 2, 3, 4], 0)
+    assert len(s.take_step().loads) == 1
+
+
+def test_decode_ignores_bad_or_foreign_params() -> None:
+    s = _decode_side()
+    bad = compose_params(REMOTE) | {"tp_size": 5}
+    assert s.matched_tokens("r4", 70, bad, 0) == (0, False)
+    other_block = compose_params(dataclasses.replace(REMOTE, block_size=64))
+    assert s.matched_tokens("r5", 70, other_block, 0) == (0, False)
+    assert s.matched_tokens("r6", 70, {"do_remote_decode": True}, 0) == (0, False)
+
+
+def test_prefill_holds_finished_requests_and_names_its_ranks() -> None:
+    s = SchedulerSide(engine_id="p", block_size=32, tp_size=2, is_producer=True, is_consumer=False)
+    # before the workers published their endpoints nothing is offered
+    assert s.finished("a", {"do_remote_decode": True}, [1, 2, 3], 70, True) == (False, None)
+    s.set_producers([ProducerRank(1, "tcp://h:2", 22), ProducerRank(0, "tcp://h:1", 11)])
+    delay, params = s.finished("b", {"do_remote_decode": True}, [1, 2, 3], 70, True)
+    assert delay is True
+    remote = parse_params(params)
+    assert remote is not None
+    assert (remote.address, remote.generations, remote.block_ids) == (
+        "tcp://h:1,tcp://h:2",
+        (11, 22),
+        (1, 2, 3),
+    )
+    assert (remote.request_id, remote.num_tokens, remote.tp_size) == ("b", 70, 2)
+    (hold,) = s.take_step().holds
+    assert (hold.request_id, hold.block_ids) == ("b", (1, 2, 3))
+    # aborted prefills and requests without do_remote_decode keep vLLM's own freeing
+    assert s.finished("c", {"do_remote_decode": True}, [4], 10, False) == (False, None)
+    assert s.finished("d", None, [4], 10, True) == (False, None)
+    assert s.take_step().holds == []
+
+
+def test_a_request_asked_again_after_its_load_is_computed_locally() -> None:
+    # vLLM asks again after a failed load under kv_load_failure_policy="recompute"
+    # (or after a preemption): offering the same KV again would loop forever
+    s = _decode_side()
+    params = compose_params(REMOTE)
+    assert s.matched_tokens("r7", 70, params, 0) == (70, True)
+    s.after_alloc("r7", [5, 6, 7], 70)
+    assert len(s.take_step().loads) == 1
+    assert s.matched_tokens("r7", 70, params, 0) == (0, False)
+    # once finished, the id may be reused by a new request
+    s.finished("r7", params, [5, 6, 7], 70, True)
+    assert s.matched_tokens("r7", 70, params, 0) == (70, True)
