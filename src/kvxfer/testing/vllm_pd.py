@@ -1,0 +1,225 @@
+"""Run vLLM instances (colocated, prefill, decode) in child processes and drive requests
+through them: the harness behind the vLLM tests, example and benchmark.
+
+Runs under the vLLM environment's Python (``scripts/_vllm_venv.sh`` makes it); each
+:class:`Instance` is a spawned child holding one ``vllm.LLM`` (which spawns vLLM's own
+engine-core and worker processes), driven over a pipe. A request's TTFT is measured
+in the child: from ``add_request`` to the first step that returns a token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["CONNECTORS", "Instance", "kv_transfer_config", "make_prompts"]
+
+CONNECTORS = ("kvxfer", "nixl")
+
+
+def kv_transfer_config(connector: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_config`` of a P/D instance using ``connector`` (kv_both)."""
+    if connector == "kvxfer":
+        return {
+            "kv_connector": "KvxferConnector",
+            "kv_connector_module_path": "kvxfer.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": dict(extra or {}),
+        }
+    if connector == "nixl":  # vLLM's own NixlConnector, the baseline
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": dict(extra or {}),
+        }
+    raise ValueError(f"connector must be one of {CONNECTORS}, got {connector!r}")
+
+
+def make_prompts(n: int, vocab: int, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """``n`` token-id prompts of the given lengths (cycled), from a seeded generator."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def _make_llm(opts: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {
+        "model": opts["model"],
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "block_size": opts.get("block_size", 32),
+        "enforce_eager": True,
+        "max_model_len": opts.get("max_model_len", 1024),
+        "max_num_seqs": opts.get("max_num_seqs", 8),
+        "tensor_parallel_size": opts.get("tp_size", 1),
+        "seed": 0,
+    }
+    if opts.get("connector"):
+        kw["kv_transfer_config"] = kv_transfer_config(opts["connector"], opts.get("extra"))
+        if opts.get("failure_policy"):
+            kw["kv_transfer_config"]["kv_load_failure_policy"] = opts["failure_policy"]
+    return LLM(**kw)
+
+
+def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    from vllm.sampling_params import RequestOutputKind
+
+    from vllm import SamplingParams
+
+    sp = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": dict(params)} if params else None,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    rid = f"r{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
+    tokens: list[int] = []
+    ttft = None
+    out_params = None
+    finish_reason = None
+    cached = None
+    while True:
+        outs = engine.step()
+        now = time.perf_counter()
+        done = False
+        for o in outs:
+            new = list(o.outputs[0].token_ids) if o.outputs else []
+            if new and ttft is None:
+                ttft = now - t0
+            tokens += new
+            if o.kv_transfer_params is not None:
+                out_params = o.kv_transfer_params
+            if o.num_cached_tokens is not None:
+                cached = o.num_cached_tokens
+            if o.finished:
+                done = True
+                finish_reason = o.outputs[0].finish_reason if o.outputs else None
+        if done:
+            break
+    return {
+        "tokens": tokens, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
+        "kv_transfer_params": json.loads(json.dumps(out_params)) if out_params else None,
+        "num_cached_tokens": cached, "finish_reason": finish_reason,
+    }  # fmt: skip
+
+
+def _child(conn: Any, opts: dict[str, Any]) -> None:
+    log = open(opts["log_path"], "w")  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    os.environ.update(opts.get("env", {}))
+    os.setsid()  # a process group of its own: kill() takes vLLM's children with it
+    try:
+        t0 = time.perf_counter()
+        llm = _make_llm(opts)
+        conn.send(("ready", time.perf_counter() - t0))
+        while True:
+            cmd, payload = conn.recv()
+            if cmd == "stop":
+                break
+            try:
+                r = _run_one(llm, payload["prompt"], payload["max_tokens"], payload.get("params"))
+                conn.send(("ok", r))
+            except Exception:
+                conn.send(("err", traceback.format_exc()))
+        llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
+    except Exception:
+        conn.send(("err", traceback.format_exc()))
+        raise
+
+
+class Instance:
+    """One vLLM instance in a child process.
+
+    Args:
+        role: a name for logs (``colocated``, ``prefill``, ``decode``...).
+        model: path of the model directory.
+        connector: ``"kvxfer"``, ``"nixl"`` or None (no KV transfer).
+        cpus: ``VLLM_CPU_OMP_THREADS_BIND`` for this instance (``"0"``, ``"1"``,
+            ``"0|1"`` for TP 2); one core each keeps two instances from spinning on
+            one core.
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
+        log_dir: where ``<role>.log`` goes.
+        opts: more ``LLM`` settings: block_size, tp_size, max_model_len, extra
+            (kv_connector_extra_config), failure_policy.
+    """
+
+    def __init__(self, role: str, *, model: str, connector: str | None, cpus: str = "0",
+                 kv_cache_gib: float = 1, log_dir: str = "/tmp", env: Mapping[str, str] | None = None,
+                 **opts: Any) -> None:  # fmt: skip
+        ctx = mp.get_context("spawn")
+        self.role = role
+        self.log_path = os.path.join(log_dir, f"{role}.log")
+        tp = int(opts.get("tp_size", 1))
+        child_env = {
+            "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+            "VLLM_CPU_OMP_THREADS_BIND": cpus,
+            **({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if tp > 1 else {}),
+            **dict(env or {}),
+        }
+        options = {**opts, "model": model, "connector": connector, "env": child_env,
+                   "log_path": self.log_path}  # fmt: skip
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child_conn, options), name=f"vllm-{role}")
+        self.proc.start()
+        self.init_s: float | None = None
+
+    def wait_ready(self, timeout_s: float = 600) -> float:
+        """Wait for the LLM to load; return its init time (s)."""
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"{self.role}: not ready after {timeout_s} s (log: {self.log_path})")
+        kind, val = self.conn.recv()
+        if kind != "ready":
+            raise RuntimeError(f"{self.role} failed to start:\n{val}")
+        self.init_s = float(val)
+        return self.init_s
+
+    def gen(self, prompt: Sequence[int], max_tokens: int, params: Mapping[str, Any] | None = None,
+            timeout_s: float = 300) -> dict[str, Any]:  # fmt: skip
+        """Run one greedy request; return tokens, ttft_s, total_s, kv_transfer_params..."""
+        self.conn.send(
+            ("gen", {"prompt": list(prompt), "max_tokens": max_tokens, "params": params})
+        )
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"{self.role}: request not done after {timeout_s} s")
+        kind, val = self.conn.recv()
+        if kind != "ok":
+            raise RuntimeError(f"{self.role}: {val}")
+        return dict(val)
+
+    def kill(self) -> None:
+        """SIGKILL the instance and every vLLM process under it."""
+        if self.proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """Stop politely; kill what is left after ``timeout_s``."""
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.conn.send(("stop", None))
+        self.proc.join(timeout_s)
+        self.kill()
+
+    def __enter__(self) -> Instance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use kvxfer.testing.vllm_pd from a script (see tests/vllm and kvxfer bench vllm)")
