@@ -171,12 +171,17 @@ class KvxferConnector(KVConnectorBase_V1):
             return None
         return KvxferHandshake(self._worker.settings.tp_rank, hs[0], hs[1])
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Holds and loads start here, before the step's forward pass, not in
+        # start_load_kv (which vLLM calls after a CPU forward has already run): a hold
+        # is in place before a decode can read, and a load that completes during the
+        # forward is reported finished in this same step.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvxferMetadata):
+            self._worker.start(connector_metadata.loads, connector_metadata.holds)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is None:
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvxferMetadata)
-        self._worker.start(meta.loads, meta.holds)
+        return None  # started in bind_connector_metadata
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: vLLM schedules a request once it is loaded
