@@ -16,23 +16,51 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from enum import Enum
 from typing import Any
 
-import nixl_cu12._bindings as _nixl
 import numpy as np
 
-from kvxfer.errors import KvxferError, LayoutError, PeerLostError, ProtocolError, TransferError
-from kvxfer.planning.descriptors import COUNT, dense_rows, validate_rows
+from kvxfer.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    KvxferError,
+    LayoutError,
+    PeerLostError,
+    ProtocolError,
+    TransferError,
+)
+from kvxfer.planning.descriptors import dense_rows
+from kvxfer.transport.backend import TransferBackend, XferOp, XferState, check_ids, check_rows
 
-__all__ = ["NixlBackend", "PreparedList", "XferHandle", "XferOp", "XferState"]
+__all__ = [
+    "NIXL_INSTALL_LINE",
+    "NixlBackend",
+    "PreparedList",
+    "XferHandle",
+    "XferOp",
+    "XferState",
+    "is_available",
+]
 
-_INT32_MAX = (1 << 31) - 1  # NIXL takes descriptor indices as int
+# Imported once, guarded: without NIXL, planning and the CLI still work and building a
+# backend raises BackendUnavailableError with the install line.
+_import_error: ImportError | None = None
+try:
+    import nixl_cu12._bindings as _nixl
+except ImportError as _exc:
+    _nixl, _import_error = None, _exc
+
+NIXL_INSTALL_LINE = "pip install --no-deps nixl-cu12"
+_WHY_NO_DEPS = (
+    "--no-deps because the nixl-cu12 wheel declares torch, which it never imports, and a "
+    "bare torch requirement pulls a multi-GB CUDA build"
+)
+
 _MD_HEADER = b"nixlSerDes|Agent"  # metadata blob: header, u64 LE name length, name
 _NIXL_ERRORS: tuple[type[Exception], ...] = (
     *(
         cls
-        for name, cls in vars(_nixl).items()
+        for name, cls in (vars(_nixl).items() if _nixl is not None else ())
         if name.startswith("nixl") and isinstance(cls, type) and issubclass(cls, Exception)
     ),
     RuntimeError,  # pybind11's translation of an unmapped C++ exception
@@ -40,18 +68,20 @@ _NIXL_ERRORS: tuple[type[Exception], ...] = (
 _DEFAULT_MAP: dict[str, type[KvxferError]] = {"nixlRemoteDisconnectError": PeerLostError}
 
 
-class XferOp(str, Enum):
-    """Direction of a transfer, seen from the initiator."""
-
-    READ = "READ"
-    WRITE = "WRITE"
+def is_available() -> bool:
+    """True if ``nixl_cu12`` imported, i.e. :class:`NixlBackend` can be built."""
+    return _nixl is not None
 
 
-class XferState(str, Enum):
-    """State of a posted transfer. Failures are exceptions, never a state."""
-
-    DONE = "DONE"
-    IN_PROGRESS = "IN_PROGRESS"
+def _require() -> None:
+    """Raise BackendUnavailableError, with the exact install line, if NIXL did not import."""
+    if _nixl is None:
+        raise BackendUnavailableError(
+            f"NIXL is not installed (import nixl_cu12 failed: {_import_error}). Producers, "
+            f"consumers and NixlBackend need it: {NIXL_INSTALL_LINE}  ({_WHY_NO_DEPS}). "
+            "Planning and `kvxfer plan` work without it; kvxfer.testing.MemoryBackend runs "
+            "transfers in one process without it."
+        ) from _import_error
 
 
 @contextlib.contextmanager
@@ -98,21 +128,6 @@ def _peek_agent_name(blob: bytes) -> str | None:
         return None
 
 
-def _check_ids(ids: Any, size: int, what: str) -> np.ndarray:
-    """Validate descriptor indices and return them as contiguous ``(N,) int32``."""
-    if not isinstance(ids, np.ndarray) or ids.ndim != 1:
-        shape = getattr(ids, "shape", type(ids).__name__)
-        raise LayoutError(f"{what} must be a 1-D integer ndarray, got {shape}")
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise LayoutError(f"{what} must have an integer dtype, got {ids.dtype}")
-    if ids.size == 0:
-        raise LayoutError(f"{what} is empty")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= size:
-        raise LayoutError(f"{what} spans [{lo}, {hi}], outside the prepared list [0, {size})")
-    return np.ascontiguousarray(ids, dtype=np.int32)
-
-
 class _Handle:
     """A NIXL handle owned by one backend; ``_handle`` becomes None once released."""
 
@@ -137,7 +152,7 @@ class _Handle:
                 raise PeerLostError(
                     f"{self._what} for {self.remote_agent!r} is stale (peer removed)"
                 )
-            raise LayoutError(f"{self._what} was released")
+            raise ConfigError(f"{self._what} was released")
         return self._handle
 
     def _take(self) -> int | None:
@@ -218,8 +233,12 @@ class NixlBackend:
         backend_params: Mapping[str, str] | None = None,
         thread_safe: bool = False,
     ) -> None:
+        _require()
         if progress_delay_us < 0 or num_threads < 0:
-            raise LayoutError(f"progress_delay_us {progress_delay_us}, num_threads {num_threads}")
+            raise ConfigError(
+                f"progress_delay_us and num_threads must be >= 0, got {progress_delay_us}, "
+                f"{num_threads}"
+            )
         sync = _nixl.NIXL_THREAD_SYNC_STRICT if thread_safe else _nixl.NIXL_THREAD_SYNC_NONE
         cfg = _nixl.nixlAgentConfig()
         cfg.useProgThread = progress_thread
@@ -360,14 +379,8 @@ class NixlBackend:
             The prepared list; indices into it are flat, view-major and block-minor.
         """
         agent = self._live()
-        if not isinstance(rows, np.ndarray) or rows.ndim != 2 or rows.shape[1] not in (3, 5):
-            shape = getattr(rows, "shape", type(rows).__name__)
-            raise LayoutError(f"descriptor rows must have shape (N, 5) or (N, 3), got {shape}")
+        rows, num = check_rows(rows)
         width = rows.shape[1]
-        rows = validate_rows(rows, width)  # dtype, contiguity, no zero len / count
-        num = int(rows[:, COUNT].sum()) if width == 5 else rows.shape[0]
-        if num > _INT32_MAX:
-            raise LayoutError(f"{num} descriptors exceed NIXL's int32 indices")
         if remote_agent is not None and remote_agent not in self._remotes | {self.name}:
             raise TransferError(f"unknown remote agent {remote_agent!r}: add_remote it first")
         target = _nixl.NIXL_INIT_AGENT if remote_agent is None else remote_agent
@@ -424,8 +437,8 @@ class NixlBackend:
         if local.remote_agent is not None or remote.remote_agent is None:
             raise LayoutError("make_xfer needs a local list first, then a remote list")
         lhandle, rhandle = local._live(), remote._live()
-        lids = _check_ids(local_ids, local.num_descriptors, "local_ids")
-        rids = _check_ids(remote_ids, remote.num_descriptors, "remote_ids")
+        lids = check_ids(local_ids, local.num_descriptors, "local_ids")
+        rids = check_ids(remote_ids, remote.num_descriptors, "remote_ids")
         if lids.size != rids.size:
             raise LayoutError(f"local_ids has {lids.size} ids, remote_ids {rids.size}")
         code = _nixl.NIXL_READ if op is XferOp.READ else _nixl.NIXL_WRITE
@@ -495,3 +508,7 @@ class NixlBackend:
         with _translate("get_notifs"):
             notifs = self._live().getNotifs({}, [])
         return {str(name): list(msgs) for name, msgs in notifs.items()}
+
+
+def _conforms(backend: NixlBackend) -> TransferBackend[PreparedList, XferHandle]:
+    return backend  # mypy checks that NixlBackend satisfies the TransferBackend Protocol
