@@ -109,9 +109,11 @@ def test_wheel_installs_into_a_bare_venv(tmp_path: Path) -> None:
     """Fresh venv (no system site-packages, no NIXL): build a wheel, install it, use it."""
     src = _copy_tree(tmp_path / "tree")
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True, system_site_packages=False)
+    venv.create(env_dir, with_pip=False, system_site_packages=False)
     bin_dir = env_dir / "bin"
-    pip = [str(bin_dir / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
+    # this interpreter's pip installs into the venv (--python): no ensurepip run there
+    pip = [sys.executable, "-m", "pip", "--python", str(bin_dir / "python")]
+    pip += ["--disable-pip-version-check", "-q"]
 
     def run(*cmd: str) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
