@@ -80,6 +80,11 @@ def test_version_comes_from_package_metadata() -> None:
     from importlib.metadata import version
 
     assert kvxfer.__version__ == version("kvxfer")
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+        assert kvxfer.__version__ == project["version"]
 
 
 def test_library_adds_only_a_null_handler() -> None:
@@ -90,6 +95,14 @@ def test_library_adds_only_a_null_handler() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[<NullHandler (NOTSET)>] []"
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("kvxfer").handlers)
+
+
+def _has_setuptools_77() -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    return int(setuptools.__version__.split(".")[0]) >= 77
 
 
 def _copy_tree(dst: Path) -> Path:
@@ -123,9 +136,11 @@ def test_wheel_installs_into_a_bare_venv(tmp_path: Path) -> None:
 
     # the wheel is built by this interpreter (its setuptools, no isolated build env to
     # download); what is tested is installing it, with its dependencies, into the bare venv
+    # without setuptools >= 77 here (SPDX license), pip builds in an isolated env instead
+    isolation = ["--no-build-isolation"] if _has_setuptools_77() else []
     built = run(
         sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel",
-        "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src),
+        "--no-deps", *isolation, "-w", str(tmp_path / "dist"), str(src),
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
     (wheel,) = (tmp_path / "dist").glob("kvxfer-*.whl")
