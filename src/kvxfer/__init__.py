@@ -28,7 +28,7 @@ from kvxfer.errors import (
     ProtocolError,
     TransferError,
 )
-from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer.layout.model import CacheLayout, MemKind, Region, Shard, TokenLayout, View, ViewKind
 from kvxfer.layout.presets import PRESETS, spec_for
 from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, row_starts
@@ -80,6 +80,7 @@ __all__ = [
     "KvxferError",
     "LayoutError",
     "LayoutSpec",
+    "MemKind",
     "PeerInfo",
     "PeerLostError",
     "PeerPlan",

@@ -14,7 +14,7 @@ import pytest
 
 from kvxfer.errors import ConfigError, LayoutError, PeerLostError, ProtocolError, TransferError
 from kvxfer.testing import MemoryBackend
-from kvxfer.transport.backend import TransferBackend, XferOp, XferState
+from kvxfer.transport.backend import MemKind, TransferBackend, XferOp, XferState
 
 HAS_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 BLOCK, NUM_BLOCKS = 256, 16
@@ -176,3 +176,43 @@ def test_memory_error_contract(
     with pytest.raises(PeerLostError, match="gone"):
         a.post(x)
     np.testing.assert_array_equal(a_buf, 0)  # nothing moved by the failed posts
+
+
+def test_memory_kinds_the_memory_backend_refuses() -> None:
+    buf = np.zeros(64, np.uint8)
+    with MemoryBackend(f"kinds-{next(_names)}") as b:
+        assert b.mem_kinds == {MemKind.DRAM}
+        with pytest.raises(ConfigError, match="MemoryBackend cannot move VRAM memory"):
+            b.register([(buf.ctypes.data, 64, 0)], MemKind.VRAM)
+        with pytest.raises(ConfigError, match="mem_kind must be one of DRAM, VRAM, got 'HBM'"):
+            b.register([(buf.ctypes.data, 64, 0)], "HBM")  # type: ignore[arg-type]
+        b.register([(buf.ctypes.data, 64, 0)], "DRAM")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="VRAM"):
+            b.prepare(_row(buf, 16, 16, 4), mem_kind=MemKind.VRAM)
+        assert b.prepare(_row(buf, 16, 16, 4)).num_descriptors == 4
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="no NIXL")
+def test_memory_kinds_nixl_reports_and_refuses() -> None:
+    from kvxfer.transport.nixl import NixlBackend
+
+    buf = np.zeros(64, np.uint8)
+    with NixlBackend(f"kinds-{next(_names)}", progress_thread=False) as b:
+        assert MemKind.DRAM in b.mem_kinds  # VRAM too where UCX was built with CUDA
+        with pytest.raises(ConfigError, match="got 'HBM'"):
+            b.register([(buf.ctypes.data, 64, 0)], "HBM")  # type: ignore[arg-type]
+        b.mem_kinds = frozenset({MemKind.DRAM})  # as a NIXL whose UCX has no CUDA reports
+        with pytest.raises(ConfigError, match=r"cannot move VRAM memory \(it moves DRAM\)"):
+            b.register([(buf.ctypes.data, 64, 0)], MemKind.VRAM)
+        b.register([(buf.ctypes.data, 64, 0)], MemKind.DRAM)
+        assert b.prepare(_row(buf, 16, 16, 4), mem_kind=MemKind.DRAM).num_descriptors == 4
+
+
+def test_regions_default_to_dram() -> None:
+    import kvxfer
+
+    assert kvxfer.MemKind is MemKind
+    spec = kvxfer.spec_for("tiny-gqa", num_blocks=2)
+    layout = spec.build([(i + 1) << 20 for i in range(len(spec.region_bytes()))])
+    assert {r.mem_kind for r in layout.regions} == {MemKind.DRAM}
+    assert kvxfer.Region(4096, 10, 1, "k", MemKind.VRAM).mem_kind is MemKind.VRAM

@@ -22,10 +22,20 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from kvxfer.errors import LayoutError
+from kvxfer.errors import ConfigError, LayoutError
+from kvxfer.layout.model import MemKind
 from kvxfer.planning.descriptors import COUNT, U64, validate_rows
 
-__all__ = ["BackendFactory", "TransferBackend", "XferOp", "XferState", "check_ids", "check_rows"]
+__all__ = [
+    "BackendFactory",
+    "MemKind",
+    "TransferBackend",
+    "XferOp",
+    "XferState",
+    "check_ids",
+    "check_mem_kind",
+    "check_rows",
+]
 
 INT32_MAX = (1 << 31) - 1  # NIXL takes descriptor indices as int
 
@@ -69,6 +79,18 @@ def check_rows(rows: Any) -> tuple[U64, int]:
     return rows, num
 
 
+def check_mem_kind(mem_kind: Any, supported: frozenset[MemKind], who: str) -> MemKind:
+    """Return ``mem_kind`` as a MemKind if ``who`` can move it; ConfigError otherwise."""
+    try:
+        kind = MemKind(mem_kind)
+    except ValueError:
+        raise ConfigError(f"mem_kind must be one of DRAM, VRAM, got {mem_kind!r}") from None
+    if kind not in supported:
+        have = ", ".join(sorted(k.value for k in supported)) or "nothing"
+        raise ConfigError(f"{who} cannot move {kind.value} memory (it moves {have})")
+    return kind
+
+
 def check_ids(ids: Any, size: int, what: str) -> np.ndarray:
     """Validate descriptor indices into a list of ``size``; return contiguous ``(N,) int32``."""
     if not isinstance(ids, np.ndarray) or ids.ndim != 1:
@@ -97,8 +119,12 @@ class TransferBackend(Protocol[P, X]):
         """The agent name peers see (unique among agents that talk to each other)."""
         ...
 
-    def register(self, regions: Sequence[tuple[int, int, int]]) -> None:
-        """Register ``(addr, nbytes, device)`` regions; the caller keeps them alive."""
+    def register(
+        self, regions: Sequence[tuple[int, int, int]], mem_kind: MemKind = MemKind.DRAM
+    ) -> None:
+        """Register ``(addr, nbytes, device)`` regions of one memory kind (device = GPU
+        index for VRAM); the caller keeps them alive. A kind the backend cannot move
+        raises ConfigError."""
         ...
 
     def metadata(self) -> bytes:
@@ -114,9 +140,15 @@ class TransferBackend(Protocol[P, X]):
         ...
 
     def prepare(
-        self, rows: np.ndarray, remote_agent: str | None = None, *, strided: bool = True
+        self,
+        rows: np.ndarray,
+        remote_agent: str | None = None,
+        *,
+        strided: bool = True,
+        mem_kind: MemKind = MemKind.DRAM,
     ) -> P:
-        """Prepare ``(N, 5)`` or ``(N, 3)`` uint64 rows (local if ``remote_agent`` is None)."""
+        """Prepare ``(N, 5)`` or ``(N, 3)`` uint64 rows over memory of ``mem_kind`` (local
+        if ``remote_agent`` is None)."""
         ...
 
     def make_xfer(

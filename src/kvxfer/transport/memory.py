@@ -7,7 +7,8 @@ in one process can talk; across processes use :class:`~kvxfer.transport.nixl.Nix
 The error contract is NixlBackend's: malformed rows or ids raise LayoutError, descriptors
 outside registered memory or mismatched lengths raise TransferError, a released handle
 raises ConfigError, a removed, closed or restarted peer raises PeerLostError.
-Transfers complete inside :meth:`MemoryBackend.post` (always DONE). Thread-safe.
+Transfers complete inside :meth:`MemoryBackend.post` (always DONE). DRAM only: VRAM
+raises ConfigError. Thread-safe.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ import numpy as np
 
 from kvxfer.errors import ConfigError, LayoutError, PeerLostError, ProtocolError, TransferError
 from kvxfer.planning.descriptors import dense_rows
-from kvxfer.transport.backend import TransferBackend, XferOp, XferState, check_ids, check_rows
+from kvxfer.transport.backend import (
+    MemKind,
+    TransferBackend,
+    XferOp,
+    XferState,
+    check_ids,
+    check_mem_kind,
+    check_rows,
+)
 
 __all__ = ["MemoryBackend", "MemoryList", "MemoryXfer"]
 
@@ -122,6 +131,7 @@ class MemoryBackend:
         self._inbox: dict[str, list[bytes]] = {}
         self._handles: list[_MemHandle] = []
         self._closed = False
+        self.mem_kinds = frozenset({MemKind.DRAM})
 
     def __enter__(self) -> MemoryBackend:
         return self
@@ -133,9 +143,12 @@ class MemoryBackend:
         if self._closed:
             raise TransferError(f"backend {self.name!r} is closed")
 
-    def register(self, regions: Sequence[tuple[int, int, int]]) -> None:
+    def register(
+        self, regions: Sequence[tuple[int, int, int]], mem_kind: MemKind = MemKind.DRAM
+    ) -> None:
         """Register ``(addr, nbytes, device)`` DRAM regions; the caller keeps them alive."""
         self._live()
+        check_mem_kind(mem_kind, self.mem_kinds, "MemoryBackend")
         if not regions:
             raise LayoutError("no regions to register")
         for i, (addr, nbytes, dev) in enumerate(regions):
@@ -184,10 +197,16 @@ class MemoryBackend:
         return self._remotes[name]
 
     def prepare(
-        self, rows: np.ndarray, remote_agent: str | None = None, *, strided: bool = True
+        self,
+        rows: np.ndarray,
+        remote_agent: str | None = None,
+        *,
+        strided: bool = True,
+        mem_kind: MemKind = MemKind.DRAM,
     ) -> MemoryList:
         """Check rows lie inside the target's registered memory; keep them dense."""
         self._live()
+        check_mem_kind(mem_kind, self.mem_kinds, "MemoryBackend")
         rows, _num = check_rows(rows)
         dense = dense_rows(rows) if rows.shape[1] == 5 else rows  # (num, 3) uint64
         with _LOCK:

@@ -1,6 +1,7 @@
 """NIXL behind one small interface: the only module in kvxfer that imports ``nixl_cu12``.
 
-:class:`NixlBackend` owns one NIXL agent (UCX backend, DRAM): register memory, exchange
+:class:`NixlBackend` owns one NIXL agent (UCX backend, DRAM and VRAM where NIXL's UCX
+plugin was built with CUDA): register memory, exchange
 metadata, prepare descriptor lists, make / post / poll transfers, notify. Every NIXL
 exception and error status becomes a kvxfer error here (:func:`_translate`).
 
@@ -30,7 +31,15 @@ from kvxfer.errors import (
     TransferError,
 )
 from kvxfer.planning.descriptors import dense_rows
-from kvxfer.transport.backend import TransferBackend, XferOp, XferState, check_ids, check_rows
+from kvxfer.transport.backend import (
+    MemKind,
+    TransferBackend,
+    XferOp,
+    XferState,
+    check_ids,
+    check_mem_kind,
+    check_rows,
+)
 from kvxfer.transport.handles import PreparedList, XferHandle
 
 __all__ = [
@@ -115,6 +124,11 @@ def _state(status: Any, action: str, peer: str | None) -> XferState:
     raise cls(f"{action} (agent {peer!r}) returned {name}")
 
 
+def _segment(kind: MemKind) -> Any:
+    """NIXL's segment type for a memory kind."""
+    return _nixl.VRAM_SEG if kind is MemKind.VRAM else _nixl.DRAM_SEG
+
+
 def _peek_agent_name(blob: bytes) -> str | None:
     """The agent name in a NIXL metadata blob's header, or None if it does not parse."""
     if not blob.startswith(_MD_HEADER) or len(blob) < len(_MD_HEADER) + 8:
@@ -130,7 +144,10 @@ def _peek_agent_name(blob: bytes) -> str | None:
 
 
 class NixlBackend:
-    """One NIXL agent (UCX backend, DRAM) behind kvxfer's small transfer interface.
+    """One NIXL agent (UCX backend) behind kvxfer's small transfer interface.
+
+    ``mem_kinds`` holds the memory kinds its UCX backend moves (DRAM, and VRAM when the
+    plugin has CUDA support); any pair of them can be moved (DRAM<->VRAM included).
 
     Not thread-safe unless built with ``thread_safe=True``: like NIXL's wrapper it uses
     ``NIXL_THREAD_SYNC_NONE`` by default, and posting releases the GIL.
@@ -176,7 +193,9 @@ class NixlBackend:
             agent = _nixl.nixlAgent(name, cfg)
             if "UCX" not in agent.getAvailPlugins():
                 raise TransferError("the NIXL UCX plugin is not available")
-            agent.createBackend("UCX", init)
+            backend = agent.createBackend("UCX", init)
+            _params, mems = agent.getBackendParams(backend)
+        self.mem_kinds = frozenset(k for k in MemKind if f"{k.value}_SEG" in set(mems))
         self.name = name
         self._agent: Any = agent
         self._registered: list[Any] = []  # nixlRegDList per register() call
@@ -218,20 +237,26 @@ class NixlBackend:
             raise TransferError(f"backend {self.name!r} is closed")
         return self._agent
 
-    def register(self, regions: Sequence[tuple[int, int, int]]) -> None:
-        """Register DRAM regions with UCX; call before :meth:`metadata`.
+    def register(
+        self, regions: Sequence[tuple[int, int, int]], mem_kind: MemKind = MemKind.DRAM
+    ) -> None:
+        """Register regions of one memory kind with UCX; call before :meth:`metadata`.
 
         Args:
-            regions: ``(addr, nbytes, device)`` per contiguous buffer. The caller keeps
-                the memory alive until :meth:`close`, which deregisters it.
+            regions: ``(addr, nbytes, device)`` per contiguous buffer (device: the GPU
+                index for VRAM). The caller keeps the memory alive until :meth:`close`,
+                which deregisters it.
+            mem_kind: DRAM (host) or VRAM (device pointers); ConfigError if this NIXL's
+                UCX backend cannot move that kind.
         """
         agent = self._live()
+        seg = _segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         if not regions:
             raise LayoutError("no regions to register")
         for i, (addr, nbytes, dev) in enumerate(regions):
             if addr <= 0 or nbytes <= 0 or dev < 0:
                 raise LayoutError(f"region {i}: addr {addr}, nbytes {nbytes}, device {dev}")
-        dlist = _nixl.nixlRegDList(_nixl.DRAM_SEG, [(a, n, d, "") for a, n, d in regions])
+        dlist = _nixl.nixlRegDList(seg, [(a, n, d, "") for a, n, d in regions])
         with _translate("register_memory"):
             agent.registerMem(dlist, [])
         self._registered.append(dlist)
@@ -287,7 +312,12 @@ class NixlBackend:
                 agent.invalidateRemoteMD(name)
 
     def prepare(
-        self, rows: np.ndarray, remote_agent: str | None = None, *, strided: bool = True
+        self,
+        rows: np.ndarray,
+        remote_agent: str | None = None,
+        *,
+        strided: bool = True,
+        mem_kind: MemKind = MemKind.DRAM,
     ) -> PreparedList:
         """Prepare a descriptor list for :meth:`make_xfer`.
 
@@ -298,11 +328,13 @@ class NixlBackend:
                 this agent's own name for a loopback target.
             strided: hand ``(N, 5)`` rows to NIXL as they are; False expands them to dense
                 rows first (done anyway if this NIXL does not accept strided rows).
+            mem_kind: the kind of memory the rows describe (as registered there).
 
         Returns:
             The prepared list; indices into it are flat, view-major and block-minor.
         """
         agent = self._live()
+        seg = _segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         rows, num = check_rows(rows)
         width = rows.shape[1]
         if remote_agent is not None and remote_agent not in self._remotes | {self.name}:
@@ -313,13 +345,13 @@ class NixlBackend:
         if width == 5 and strided and self._strided_ok:
             try:
                 with _translate(action, peer):
-                    handle = agent.prepXferDlist(target, _nixl.DRAM_SEG, rows, [])
+                    handle = agent.prepXferDlist(target, seg, rows, [])
             except TypeError:  # this NIXL has no (N, 5) overload: expand below
                 self._strided_ok = False
         is_strided = handle is not None
         if handle is None:
             dense = dense_rows(rows) if width == 5 else rows  # (num, 3) uint64
-            dlist = _nixl.nixlXferDList(_nixl.DRAM_SEG, dense)
+            dlist = _nixl.nixlXferDList(seg, dense)
             with _translate(action, peer):
                 handle = agent.prepXferDlist(target, dlist, [])
         plist = PreparedList(self, int(handle), num, is_strided, remote_agent)
