@@ -29,8 +29,13 @@ import kvxfer, kvxfer.engine
 from kvxfer.engine import EngineConfig, allocate_cache
 spec = kvxfer.spec_for("tiny-gqa", num_blocks=4)
 try:
+    kvxfer.engine.Consumer(EngineConfig("c"), [(spec, allocate_cache(spec))])
+except kvxfer.errors.BackendUnavailableError as exc:
+    consumer_message = str(exc)
+try:
     kvxfer.engine.Producer(EngineConfig("p"), [(spec, allocate_cache(spec))])
 except kvxfer.errors.BackendUnavailableError as exc:
+    assert str(exc) == consumer_message
     print(type(exc).__name__, isinstance(exc, ImportError), isinstance(exc, kvxfer.KvxferError))
     print(exc)
 """
@@ -59,13 +64,7 @@ def test_engine_without_nixl_names_the_install_line() -> None:
 
 
 def test_cli_help_plan_and_version_without_nixl() -> None:
-    code = _NO_NIXL + (
-        "import sys\n"
-        "from kvxfer.cli.main import main\n"
-        "rc = main(sys.argv[1:])\n"
-        "assert 'nixl_cu12._bindings' not in sys.modules or sys.modules['nixl_cu12._bindings'] is None\n"
-        "sys.exit(rc)\n"
-    )
+    code = _NO_NIXL + "import sys\nfrom kvxfer.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
     plan = _child(code, "plan", str(EXAMPLE))
     assert plan.returncode == 0, plan.stderr
     assert "descriptor" in plan.stdout.lower()
@@ -74,6 +73,20 @@ def test_cli_help_plan_and_version_without_nixl() -> None:
     assert version.stdout.strip() == f"kvxfer {kvxfer.__version__}"
     helped = _child(code, "--help")
     assert helped.returncode == 0 and "plan" in helped.stdout
+
+
+def test_help_and_plan_do_not_load_nixl_or_zmq() -> None:
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvxfer.cli.main import build_parser, main\n"
+        "build_parser().format_help()\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['plan', sys.argv[1]]) == 0\n"
+        "print(sorted(m for m in ('nixl_cu12', 'zmq') if m in sys.modules))\n"
+    )
+    out = _child(code, str(EXAMPLE))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_version_comes_from_package_metadata() -> None:
@@ -150,6 +163,8 @@ def test_wheel_installs_into_a_bare_venv(tmp_path: Path) -> None:
 
     version = run(str(bin_dir / "kvxfer"), "--version")
     assert version.stdout.strip() == f"kvxfer {kvxfer.__version__}", version.stderr
+    helped = run(str(bin_dir / "kvxfer"), "--help")
+    assert helped.returncode == 0 and "plan" in helped.stdout, helped.stderr
     plan = run(str(bin_dir / "python"), "-m", "kvxfer", "plan", str(EXAMPLE))
     assert plan.returncode == 0, plan.stderr
     assert "descriptor" in plan.stdout.lower()
