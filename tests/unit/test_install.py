@@ -131,8 +131,10 @@ def _copy_tree(dst: Path) -> Path:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
-def test_wheel_installs_into_a_bare_venv(tmp_path: Path) -> None:
-    """Fresh venv (no system site-packages, no NIXL): build a wheel, install it, use it."""
+@pytest.mark.parametrize("how", ["wheel", "tree"])
+def test_installs_into_a_bare_venv(tmp_path: Path, how: str) -> None:
+    """Fresh venv (no system site-packages, no NIXL): install a built wheel (``wheel``) or
+    the source tree (``tree``, i.e. ``pip install .``), then use it."""
     src = _copy_tree(tmp_path / "tree")
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False, system_site_packages=False)
@@ -147,18 +149,20 @@ def test_wheel_installs_into_a_bare_venv(tmp_path: Path) -> None:
             cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=180
         )
 
-    # the wheel is built by this interpreter (its setuptools, no isolated build env to
-    # download); what is tested is installing it, with its dependencies, into the bare venv
-    # without setuptools >= 77 here (SPDX license), pip builds in an isolated env instead
+    # built with this interpreter's setuptools when it is new enough (SPDX license needs
+    # >= 77): no isolated build env to download; otherwise pip builds in one
     isolation = ["--no-build-isolation"] if _has_setuptools_77() else []
-    built = run(
-        sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel",
-        "--no-deps", *isolation, "-w", str(tmp_path / "dist"), str(src),
-    )  # fmt: skip
-    assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp_path / "dist").glob("kvxfer-*.whl")
-    assert wheel.name.startswith(f"kvxfer-{kvxfer.__version__}-")
-    installed = run(*pip, "install", str(wheel))
+    if how == "wheel":
+        built = run(
+            sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel",
+            "--no-deps", *isolation, "-w", str(tmp_path / "dist"), str(src),
+        )  # fmt: skip
+        assert built.returncode == 0, built.stderr
+        (wheel,) = (tmp_path / "dist").glob("kvxfer-*.whl")
+        assert wheel.name.startswith(f"kvxfer-{kvxfer.__version__}-")
+        installed = run(*pip, "install", str(wheel))
+    else:
+        installed = run(*pip, "install", str(src))  # builds in an isolated env, as users do
     assert installed.returncode == 0, installed.stderr
 
     version = run(str(bin_dir / "kvxfer"), "--version")
