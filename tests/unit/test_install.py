@@ -110,6 +110,22 @@ def test_library_adds_only_a_null_handler() -> None:
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("kvxfer").handlers)
 
 
+def test_cli_configures_logging_library_does_not() -> None:
+    code = (
+        "import contextlib, io, logging, sys\n"
+        "import kvxfer.engine\n"
+        "before = list(logging.getLogger().handlers)\n"
+        "from kvxfer.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--log-level', 'info', 'plan', sys.argv[1]])\n"
+        "root = logging.getLogger()\n"
+        "print(before, len(root.handlers), logging.getLevelName(root.level))\n"
+    )
+    out = _child(code, str(EXAMPLE))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] 1 INFO"
+
+
 def _has_setuptools_77() -> bool:
     try:
         import setuptools
