@@ -17,6 +17,7 @@ import ctypes
 import itertools
 import json
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,7 +130,7 @@ class MemoryBackend:
         self._regions: Regions = []
         self._remotes: dict[str, tuple[int, Regions]] = {}  # name -> (incarnation, regions)
         self._inbox: dict[str, list[bytes]] = {}
-        self._handles: list[_MemHandle] = []
+        self._handles: weakref.WeakSet[_MemHandle] = weakref.WeakSet()  # live ones only
         self._closed = False
         self.mem_kinds = frozenset({MemKind.DRAM})
 
@@ -184,7 +185,7 @@ class MemoryBackend:
         """Forget a peer; its lists and transfers become stale (PeerLostError). Idempotent."""
         self._live()
         with _LOCK:
-            for h in self._handles:
+            for h in list(self._handles):
                 if h.remote_agent == name and not h._released:
                     h._released = h._lost = True
             self._remotes.pop(name, None)
@@ -219,7 +220,7 @@ class MemoryBackend:
                     f"{int(bad[0])} [{addr:#x}, +{length}) is outside registered memory"
                 )
             plist = MemoryList(dense, remote_agent, strided and rows.shape[1] == 5)
-            self._handles.append(plist)
+            self._handles.add(plist)
         return plist
 
     def make_xfer(
@@ -253,7 +254,7 @@ class MemoryBackend:
         with _LOCK:
             inc, _regions = self._peer(remote.remote_agent)
             xfer = MemoryXfer(op, local, lids, remote, rids, bytes(notif), inc)
-            self._handles.append(xfer)
+            self._handles.add(xfer)
         return xfer
 
     def post(self, xfer: MemoryXfer) -> XferState:
@@ -311,7 +312,7 @@ class MemoryBackend:
         with _LOCK:
             if self._closed:
                 return
-            for h in self._handles:
+            for h in list(self._handles):
                 h._released = True
             self._handles.clear()
             self._remotes.clear()
