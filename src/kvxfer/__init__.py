@@ -2,24 +2,33 @@
 
 The pure planning API (layouts, descriptors, TP plans, request plans) imports only
 NumPy. The engine names (:class:`Producer`, :class:`Consumer`, ...) load NIXL and ZMQ
-on first use.
+on first use; without NIXL installed they raise :class:`BackendUnavailableError`
+naming the install line.
+
+The library never configures logging: it logs to the ``kvxfer`` logger, which has only a
+``NullHandler`` (the ``kvxfer`` command configures a handler).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.errors import (
+    BackendUnavailableError,
+    ConfigError,
     DeadlineError,
     IncompatibleError,
+    InputError,
     KvxferError,
     LayoutError,
     PeerLostError,
     ProtocolError,
     TransferError,
 )
-from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer.layout.model import CacheLayout, MemKind, Region, Shard, TokenLayout, View, ViewKind
 from kvxfer.layout.presets import PRESETS, spec_for
 from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, row_starts
@@ -33,7 +42,12 @@ if TYPE_CHECKING:
     from kvxfer.engine.producer import Producer
     from kvxfer.engine.transfer import PeerInfo, Transfer
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("kvxfer")  # single source: pyproject.toml's version
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _LAZY = {
     "Consumer": "kvxfer.engine.consumer",
@@ -55,14 +69,18 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "PRESETS",
     "AttnKind",
+    "BackendUnavailableError",
     "CacheLayout",
+    "ConfigError",
     "Consumer",
     "DeadlineError",
     "EngineConfig",
     "IncompatibleError",
+    "InputError",
     "KvxferError",
     "LayoutError",
     "LayoutSpec",
+    "MemKind",
     "PeerInfo",
     "PeerLostError",
     "PeerPlan",

@@ -1,25 +1,31 @@
 """The kvxfer exception tree.
 
 Every error kvxfer raises derives from :class:`KvxferError`. Bad caller input
-(layouts, plans, ids, files) also derives from :class:`ValueError`, so code that
-already catches ``ValueError`` keeps working.
+(layouts, plans, ids, files, settings) derives from :class:`InputError`, itself a
+:class:`ValueError`, so code that already catches ``ValueError`` keeps working.
 
 ::
 
     KvxferError
-    +-- LayoutError(ValueError)       a layout or plan input is malformed
-    |   +-- IncompatibleError         two sides cannot be paired (TP, heads, hash...)
-    +-- ProtocolError(ValueError)     a message from a peer failed to decode/validate
-    +-- TransferError                 NIXL reported a failure for a transfer
-    |   +-- PeerLostError             the peer died or restarted (stale generation)
-    +-- DeadlineError(TimeoutError)   a request passed its deadline
+    +-- InputError(ValueError)             bad caller input (one root for all of it)
+    |   +-- LayoutError                    a layout, plan, id list or input file is malformed
+    |   |   +-- IncompatibleError          two sides cannot be paired (TP, heads, hash...)
+    |   +-- ConfigError                    a setting, handle use or memory kind is invalid
+    +-- ProtocolError(ValueError)          a message from a peer failed to decode/validate
+    +-- BackendUnavailableError(ImportError)  the transfer library (NIXL) is not installed
+    +-- TransferError                      NIXL reported a failure for a transfer
+    |   +-- PeerLostError                  the peer died or restarted (stale generation)
+    +-- DeadlineError(TimeoutError)        a request passed its deadline
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BackendUnavailableError",
+    "ConfigError",
     "DeadlineError",
     "IncompatibleError",
+    "InputError",
     "KvxferError",
     "LayoutError",
     "PeerLostError",
@@ -32,7 +38,11 @@ class KvxferError(Exception):
     """Root of every error raised by kvxfer."""
 
 
-class LayoutError(KvxferError, ValueError):
+class InputError(KvxferError, ValueError):
+    """Bad caller input; the message names the argument or field and its value."""
+
+
+class LayoutError(InputError):
     """A layout, plan, id list or input file is malformed; the message names the field."""
 
 
@@ -40,8 +50,17 @@ class IncompatibleError(LayoutError):
     """Two valid layouts cannot be paired (TP sizes, heads, block sizes, hash...)."""
 
 
+class ConfigError(InputError):
+    """A setting is out of range, a handle is used after release, or a memory kind
+    combination cannot be moved."""
+
+
 class ProtocolError(KvxferError, ValueError):
     """A message from a peer is malformed, truncated, oversized or of another version."""
+
+
+class BackendUnavailableError(KvxferError, ImportError):
+    """The transfer library is not importable; the message gives the install line."""
 
 
 class TransferError(KvxferError):

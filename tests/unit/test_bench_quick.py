@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("nixl_cu12")
 
-from kvxfer.bench.per_request import _chunks, coalesced_ids, coalesced_rows
+from kvxfer.bench.coalescing import _chunks, coalesced_ids, coalesced_rows
 from kvxfer.cli.main import main
 
 pytestmark = pytest.mark.timeout(120)

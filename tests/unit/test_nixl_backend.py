@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("nixl_cu12")
 
-from kvxfer.errors import LayoutError, PeerLostError, ProtocolError, TransferError
+from kvxfer.errors import ConfigError, LayoutError, PeerLostError, ProtocolError, TransferError
 from kvxfer.transport.nixl import (
     NixlBackend,
     PreparedList,
@@ -190,11 +190,11 @@ def test_read_strided_remote_into_dense_local(pair: Pair, strided: bool) -> None
     np.testing.assert_array_equal(pair.local, expected)
     xfer.release()
     xfer.release()  # idempotent
-    with pytest.raises(LayoutError, match="released"):
+    with pytest.raises(ConfigError, match="released"):
         pair.init.poll(xfer)
     local.release()
     remote.release()
-    with pytest.raises(LayoutError, match="released"):
+    with pytest.raises(ConfigError, match="released"):
         pair.init.make_xfer(XferOp.READ, local, np.arange(1), remote, np.arange(1))
 
 
@@ -295,7 +295,7 @@ def test_release_in_progress_and_restarted_peer() -> None:
             assert init.post(xfer) is XferState.IN_PROGRESS
             assert init.poll(xfer) is XferState.IN_PROGRESS
             xfer.release()  # NIXL cancels the request: no crash, no error
-            with pytest.raises(LayoutError):
+            with pytest.raises(ConfigError):
                 init.poll(xfer)
         with NixlBackend(tgt_name) as tgt2:
             tgt2.register([(new.ctypes.data, new.nbytes, 0)])
@@ -334,3 +334,9 @@ def test_idle_progress_thread_is_cheap() -> None:
         time.sleep(0.5)
         share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     assert share < 0.3, f"idle agent used {share:.0%} of a core"
+
+
+def test_bad_settings_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="progress_delay_us"):
+        NixlBackend(_name("bad"), progress_delay_us=-1)
+    assert not issubclass(ConfigError, LayoutError)

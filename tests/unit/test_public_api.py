@@ -33,3 +33,22 @@ def test_planning_imports_no_io() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_one_root_for_bad_input() -> None:
+    assert issubclass(kvxfer.InputError, ValueError)
+    assert issubclass(kvxfer.InputError, kvxfer.KvxferError)
+    for e in (kvxfer.LayoutError, kvxfer.IncompatibleError, kvxfer.ConfigError):
+        assert issubclass(e, kvxfer.InputError), e
+    assert not issubclass(kvxfer.ConfigError, kvxfer.LayoutError)
+    assert issubclass(kvxfer.BackendUnavailableError, ImportError)
+    assert not issubclass(kvxfer.BackendUnavailableError, kvxfer.InputError)
+
+
+def test_testing_exports_the_memory_backend() -> None:
+    import kvxfer.testing
+    from kvxfer.transport.backend import TransferBackend
+
+    assert sorted(kvxfer.testing.__all__) == ["MemoryBackend", "fill", "mismatches"]
+    with kvxfer.testing.MemoryBackend("api-check") as backend:
+        assert isinstance(backend, TransferBackend)

@@ -7,6 +7,8 @@ Each subcommand registers its parser in one small ``add_*_parser`` function and 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -151,8 +153,36 @@ def add_demo_parser(subparsers: Subparsers) -> None:
     add(subparsers, _run_demo)
 
 
+def _version() -> str:
+    from kvxfer import __version__
+
+    return __version__
+
+
+def configure_logging(level: str) -> None:
+    """The command's logging: ``LEVEL name: message`` on stderr (the library adds none).
+
+    NIXL and UCX log on their own, to stderr, set by environment variables read when
+    NIXL loads: ``NIXL_LOG_LEVEL`` (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL) and
+    ``UCX_LOG_LEVEL`` (e.g. warn, info, debug). ``KVXFER_LOG_LEVEL`` sets this command's
+    default level.
+    """
+    logging.basicConfig(
+        level=level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvxfer {_version()}")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("KVXFER_LOG_LEVEL", "WARNING"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="kvxfer log level (default WARNING, or $KVXFER_LOG_LEVEL); NIXL and UCX use "
+        "$NIXL_LOG_LEVEL and $UCX_LOG_LEVEL",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_demo_parser(subparsers)
     add_plan_parser(subparsers)
@@ -163,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(args.log_level)
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         getattr(args, "usage_parser", parser).print_help(sys.stderr)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvxfer.engine.config import U8, EngineConfig
 from kvxfer.errors import LayoutError
 from kvxfer.layout.model import CacheLayout
 from kvxfer.layout.spec import LayoutSpec
+from kvxfer.transport.backend import BackendFactory, TransferBackend
 from kvxfer.transport.nixl import NixlBackend
 from kvxfer.wire import encode_record, record_from_layout
 
@@ -21,10 +23,17 @@ class RankCache:
     """One TP rank of an engine: its spec, buffers, layout and registered NIXL agent.
 
     The buffers must outlive the rank; :meth:`close` deregisters them.
+    ``backend_factory`` builds the agent from its name (default: a NixlBackend from
+    ``config``; e.g. ``kvxfer.testing.MemoryBackend`` for in-process tests).
     """
 
     def __init__(
-        self, spec: LayoutSpec, bufs: Sequence[U8], agent_name: str, config: EngineConfig
+        self,
+        spec: LayoutSpec,
+        bufs: Sequence[U8],
+        agent_name: str,
+        config: EngineConfig,
+        backend_factory: BackendFactory | None = None,
     ) -> None:
         sizes = spec.region_bytes()
         if len(bufs) != len(sizes) or any(b.nbytes != n for b, n in zip(bufs, sizes, strict=True)):
@@ -34,11 +43,15 @@ class RankCache:
         self.layout: CacheLayout = spec.build(
             [b.ctypes.data for b in bufs], engine_id=config.engine_id
         )
-        self.backend = NixlBackend(
-            agent_name,
-            progress_delay_us=config.progress_delay_us,
-            thread_safe=True,
-            backend_params=dict(config.backend_params),
+        self.backend: TransferBackend[Any, Any] = (
+            backend_factory(agent_name)
+            if backend_factory is not None
+            else NixlBackend(
+                agent_name,
+                progress_delay_us=config.progress_delay_us,
+                thread_safe=True,
+                backend_params=dict(config.backend_params),
+            )
         )
         try:
             self.backend.register(

@@ -21,9 +21,16 @@ import numpy.typing as npt
 
 from kvxfer.errors import LayoutError
 
-__all__ = ["CacheLayout", "Region", "Shard", "TokenLayout", "View", "ViewKind"]
+__all__ = ["CacheLayout", "MemKind", "Region", "Shard", "TokenLayout", "View", "ViewKind"]
 
 MAX_ADDR = (1 << 64) - 1
+
+
+class MemKind(str, Enum):
+    """Where a region lives: host memory (DRAM) or GPU memory (VRAM, ``device_id`` = GPU)."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
 
 
 class TokenLayout(str, Enum):
@@ -55,12 +62,14 @@ class Shard(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class Region:
-    """One contiguous registered buffer: ``num_bytes`` at ``base_addr`` on ``device_id``."""
+    """One contiguous registered buffer: ``num_bytes`` at ``base_addr`` on ``device_id``
+    (the GPU index for VRAM) in memory of kind ``mem_kind``."""
 
     base_addr: int
     num_bytes: int
     device_id: int = 0
     name: str = ""
+    mem_kind: MemKind = MemKind.DRAM
 
 
 @dataclass(frozen=True, slots=True)

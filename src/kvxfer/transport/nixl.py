@@ -1,6 +1,7 @@
 """NIXL behind one small interface: the only module in kvxfer that imports ``nixl_cu12``.
 
-:class:`NixlBackend` owns one NIXL agent (UCX backend, DRAM): register memory, exchange
+:class:`NixlBackend` owns one NIXL agent (UCX backend, DRAM and VRAM where NIXL's UCX
+plugin was built with CUDA): register memory, exchange
 metadata, prepare descriptor lists, make / post / poll transfers, notify. Every NIXL
 exception and error status becomes a kvxfer error here (:func:`_translate`).
 
@@ -16,23 +17,60 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from enum import Enum
 from typing import Any
 
-import nixl_cu12._bindings as _nixl
 import numpy as np
 
-from kvxfer.errors import KvxferError, LayoutError, PeerLostError, ProtocolError, TransferError
-from kvxfer.planning.descriptors import COUNT, dense_rows, validate_rows
+from kvxfer.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    KvxferError,
+    LayoutError,
+    PeerLostError,
+    ProtocolError,
+    TransferError,
+)
+from kvxfer.planning.descriptors import dense_rows
+from kvxfer.transport.backend import (
+    MemKind,
+    TransferBackend,
+    XferOp,
+    XferState,
+    check_ids,
+    check_mem_kind,
+    check_rows,
+)
+from kvxfer.transport.handles import PreparedList, XferHandle
 
-__all__ = ["NixlBackend", "PreparedList", "XferHandle", "XferOp", "XferState"]
+__all__ = [
+    "NIXL_INSTALL_LINE",
+    "NixlBackend",
+    "PreparedList",
+    "XferHandle",
+    "XferOp",
+    "XferState",
+    "is_available",
+]
 
-_INT32_MAX = (1 << 31) - 1  # NIXL takes descriptor indices as int
+# Imported once, guarded: without NIXL, planning and the CLI still work and building a
+# backend raises BackendUnavailableError with the install line.
+_import_error: ImportError | None = None
+try:
+    import nixl_cu12._bindings as _nixl
+except ImportError as _exc:
+    _nixl, _import_error = None, _exc
+
+NIXL_INSTALL_LINE = "pip install --no-deps nixl-cu12"
+_WHY_NO_DEPS = (
+    "--no-deps because the nixl-cu12 wheel declares torch, which it never imports, and a "
+    "bare torch requirement pulls a multi-GB CUDA build"
+)
+
 _MD_HEADER = b"nixlSerDes|Agent"  # metadata blob: header, u64 LE name length, name
 _NIXL_ERRORS: tuple[type[Exception], ...] = (
     *(
         cls
-        for name, cls in vars(_nixl).items()
+        for name, cls in (vars(_nixl).items() if _nixl is not None else ())
         if name.startswith("nixl") and isinstance(cls, type) and issubclass(cls, Exception)
     ),
     RuntimeError,  # pybind11's translation of an unmapped C++ exception
@@ -40,18 +78,20 @@ _NIXL_ERRORS: tuple[type[Exception], ...] = (
 _DEFAULT_MAP: dict[str, type[KvxferError]] = {"nixlRemoteDisconnectError": PeerLostError}
 
 
-class XferOp(str, Enum):
-    """Direction of a transfer, seen from the initiator."""
-
-    READ = "READ"
-    WRITE = "WRITE"
+def is_available() -> bool:
+    """True if ``nixl_cu12`` imported, i.e. :class:`NixlBackend` can be built."""
+    return _nixl is not None
 
 
-class XferState(str, Enum):
-    """State of a posted transfer. Failures are exceptions, never a state."""
-
-    DONE = "DONE"
-    IN_PROGRESS = "IN_PROGRESS"
+def _require() -> None:
+    """Raise BackendUnavailableError, with the exact install line, if NIXL did not import."""
+    if _nixl is None:
+        raise BackendUnavailableError(
+            f"NIXL is not installed (import nixl_cu12 failed: {_import_error}). Producers, "
+            f"consumers and NixlBackend need it: {NIXL_INSTALL_LINE}  ({_WHY_NO_DEPS}). "
+            "Planning and `kvxfer plan` work without it; kvxfer.testing.MemoryBackend runs "
+            "transfers in one process without it."
+        ) from _import_error
 
 
 @contextlib.contextmanager
@@ -84,6 +124,11 @@ def _state(status: Any, action: str, peer: str | None) -> XferState:
     raise cls(f"{action} (agent {peer!r}) returned {name}")
 
 
+def _segment(kind: MemKind) -> Any:
+    """NIXL's segment type for a memory kind."""
+    return _nixl.VRAM_SEG if kind is MemKind.VRAM else _nixl.DRAM_SEG
+
+
 def _peek_agent_name(blob: bytes) -> str | None:
     """The agent name in a NIXL metadata blob's header, or None if it does not parse."""
     if not blob.startswith(_MD_HEADER) or len(blob) < len(_MD_HEADER) + 8:
@@ -98,100 +143,11 @@ def _peek_agent_name(blob: bytes) -> str | None:
         return None
 
 
-def _check_ids(ids: Any, size: int, what: str) -> np.ndarray:
-    """Validate descriptor indices and return them as contiguous ``(N,) int32``."""
-    if not isinstance(ids, np.ndarray) or ids.ndim != 1:
-        shape = getattr(ids, "shape", type(ids).__name__)
-        raise LayoutError(f"{what} must be a 1-D integer ndarray, got {shape}")
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise LayoutError(f"{what} must have an integer dtype, got {ids.dtype}")
-    if ids.size == 0:
-        raise LayoutError(f"{what} is empty")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= size:
-        raise LayoutError(f"{what} spans [{lo}, {hi}], outside the prepared list [0, {size})")
-    return np.ascontiguousarray(ids, dtype=np.int32)
-
-
-class _Handle:
-    """A NIXL handle owned by one backend; ``_handle`` becomes None once released."""
-
-    __slots__ = ("_handle", "_lost", "_owner", "num_descriptors", "remote_agent")
-    _what = "handle"
-
-    def __init__(self, owner: NixlBackend, handle: int, num: int, remote: str | None) -> None:
-        self._owner = owner
-        self._handle: int | None = handle
-        self._lost = False  # released because its peer was removed or replaced
-        self.num_descriptors = num
-        self.remote_agent = remote
-
-    @property
-    def is_released(self) -> bool:
-        """True once released (explicitly, by ``remove_remote`` or by ``close``)."""
-        return self._handle is None
-
-    def _live(self) -> int:
-        if self._handle is None:
-            if self._lost:
-                raise PeerLostError(
-                    f"{self._what} for {self.remote_agent!r} is stale (peer removed)"
-                )
-            raise LayoutError(f"{self._what} was released")
-        return self._handle
-
-    def _take(self) -> int | None:
-        handle, self._handle = self._handle, None  # never hand a freed id to NIXL again
-        return handle
-
-
-class PreparedList(_Handle):
-    """A descriptor list prepared on one backend; indices into it are flat (view-major).
-
-    Attributes:
-        num_descriptors: descriptors in the list (sum of counts for strided rows).
-        is_strided: True if NIXL ingested ``(N, 5)`` rows, False for dense rows.
-        remote_agent: the agent whose memory it describes; None for local memory.
-    """
-
-    __slots__ = ("is_strided",)
-    _what = "prepared list"
-
-    def __init__(
-        self, owner: NixlBackend, handle: int, num: int, strided: bool, remote: str | None
-    ) -> None:
-        super().__init__(owner, handle, num, remote)
-        self.is_strided = strided
-
-    def release(self) -> None:
-        """Free NIXL's copy of the list. Idempotent; release transfers using it first."""
-        self._owner._release_prepared(self)
-
-
-class XferHandle(_Handle):
-    """A transfer made by :meth:`NixlBackend.make_xfer`; post, poll, then release it.
-
-    Attributes:
-        op: READ or WRITE.
-        remote_agent: the peer on the other side.
-        num_descriptors: descriptors per side.
-    """
-
-    __slots__ = ("op",)
-    _what = "transfer"
-    remote_agent: str
-
-    def __init__(self, owner: NixlBackend, handle: int, op: XferOp, remote: str, num: int) -> None:
-        super().__init__(owner, handle, num, remote)
-        self.op = op
-
-    def release(self) -> None:
-        """Free the request; NIXL cancels it if still in progress. Idempotent."""
-        self._owner.release(self)
-
-
 class NixlBackend:
-    """One NIXL agent (UCX backend, DRAM) behind kvxfer's small transfer interface.
+    """One NIXL agent (UCX backend) behind kvxfer's small transfer interface.
+
+    ``mem_kinds`` holds the memory kinds its UCX backend moves (DRAM, and VRAM when the
+    plugin has CUDA support); any pair of them can be moved (DRAM<->VRAM included).
 
     Not thread-safe unless built with ``thread_safe=True``: like NIXL's wrapper it uses
     ``NIXL_THREAD_SYNC_NONE`` by default, and posting releases the GIL.
@@ -218,8 +174,12 @@ class NixlBackend:
         backend_params: Mapping[str, str] | None = None,
         thread_safe: bool = False,
     ) -> None:
+        _require()
         if progress_delay_us < 0 or num_threads < 0:
-            raise LayoutError(f"progress_delay_us {progress_delay_us}, num_threads {num_threads}")
+            raise ConfigError(
+                f"progress_delay_us and num_threads must be >= 0, got {progress_delay_us}, "
+                f"{num_threads}"
+            )
         sync = _nixl.NIXL_THREAD_SYNC_STRICT if thread_safe else _nixl.NIXL_THREAD_SYNC_NONE
         cfg = _nixl.nixlAgentConfig()
         cfg.useProgThread = progress_thread
@@ -233,7 +193,9 @@ class NixlBackend:
             agent = _nixl.nixlAgent(name, cfg)
             if "UCX" not in agent.getAvailPlugins():
                 raise TransferError("the NIXL UCX plugin is not available")
-            agent.createBackend("UCX", init)
+            backend = agent.createBackend("UCX", init)
+            _params, mems = agent.getBackendParams(backend)
+        self.mem_kinds = frozenset(k for k in MemKind if f"{k.value}_SEG" in set(mems))
         self.name = name
         self._agent: Any = agent
         self._registered: list[Any] = []  # nixlRegDList per register() call
@@ -275,20 +237,26 @@ class NixlBackend:
             raise TransferError(f"backend {self.name!r} is closed")
         return self._agent
 
-    def register(self, regions: Sequence[tuple[int, int, int]]) -> None:
-        """Register DRAM regions with UCX; call before :meth:`metadata`.
+    def register(
+        self, regions: Sequence[tuple[int, int, int]], mem_kind: MemKind = MemKind.DRAM
+    ) -> None:
+        """Register regions of one memory kind with UCX; call before :meth:`metadata`.
 
         Args:
-            regions: ``(addr, nbytes, device)`` per contiguous buffer. The caller keeps
-                the memory alive until :meth:`close`, which deregisters it.
+            regions: ``(addr, nbytes, device)`` per contiguous buffer (device: the GPU
+                index for VRAM). The caller keeps the memory alive until :meth:`close`,
+                which deregisters it.
+            mem_kind: DRAM (host) or VRAM (device pointers); ConfigError if this NIXL's
+                UCX backend cannot move that kind.
         """
         agent = self._live()
+        seg = _segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         if not regions:
             raise LayoutError("no regions to register")
         for i, (addr, nbytes, dev) in enumerate(regions):
             if addr <= 0 or nbytes <= 0 or dev < 0:
                 raise LayoutError(f"region {i}: addr {addr}, nbytes {nbytes}, device {dev}")
-        dlist = _nixl.nixlRegDList(_nixl.DRAM_SEG, [(a, n, d, "") for a, n, d in regions])
+        dlist = _nixl.nixlRegDList(seg, [(a, n, d, "") for a, n, d in regions])
         with _translate("register_memory"):
             agent.registerMem(dlist, [])
         self._registered.append(dlist)
@@ -344,7 +312,12 @@ class NixlBackend:
                 agent.invalidateRemoteMD(name)
 
     def prepare(
-        self, rows: np.ndarray, remote_agent: str | None = None, *, strided: bool = True
+        self,
+        rows: np.ndarray,
+        remote_agent: str | None = None,
+        *,
+        strided: bool = True,
+        mem_kind: MemKind = MemKind.DRAM,
     ) -> PreparedList:
         """Prepare a descriptor list for :meth:`make_xfer`.
 
@@ -355,19 +328,15 @@ class NixlBackend:
                 this agent's own name for a loopback target.
             strided: hand ``(N, 5)`` rows to NIXL as they are; False expands them to dense
                 rows first (done anyway if this NIXL does not accept strided rows).
+            mem_kind: the kind of memory the rows describe (as registered there).
 
         Returns:
             The prepared list; indices into it are flat, view-major and block-minor.
         """
         agent = self._live()
-        if not isinstance(rows, np.ndarray) or rows.ndim != 2 or rows.shape[1] not in (3, 5):
-            shape = getattr(rows, "shape", type(rows).__name__)
-            raise LayoutError(f"descriptor rows must have shape (N, 5) or (N, 3), got {shape}")
+        seg = _segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
+        rows, num = check_rows(rows)
         width = rows.shape[1]
-        rows = validate_rows(rows, width)  # dtype, contiguity, no zero len / count
-        num = int(rows[:, COUNT].sum()) if width == 5 else rows.shape[0]
-        if num > _INT32_MAX:
-            raise LayoutError(f"{num} descriptors exceed NIXL's int32 indices")
         if remote_agent is not None and remote_agent not in self._remotes | {self.name}:
             raise TransferError(f"unknown remote agent {remote_agent!r}: add_remote it first")
         target = _nixl.NIXL_INIT_AGENT if remote_agent is None else remote_agent
@@ -376,13 +345,13 @@ class NixlBackend:
         if width == 5 and strided and self._strided_ok:
             try:
                 with _translate(action, peer):
-                    handle = agent.prepXferDlist(target, _nixl.DRAM_SEG, rows, [])
+                    handle = agent.prepXferDlist(target, seg, rows, [])
             except TypeError:  # this NIXL has no (N, 5) overload: expand below
                 self._strided_ok = False
         is_strided = handle is not None
         if handle is None:
             dense = dense_rows(rows) if width == 5 else rows  # (num, 3) uint64
-            dlist = _nixl.nixlXferDList(_nixl.DRAM_SEG, dense)
+            dlist = _nixl.nixlXferDList(seg, dense)
             with _translate(action, peer):
                 handle = agent.prepXferDlist(target, dlist, [])
         plist = PreparedList(self, int(handle), num, is_strided, remote_agent)
@@ -424,8 +393,8 @@ class NixlBackend:
         if local.remote_agent is not None or remote.remote_agent is None:
             raise LayoutError("make_xfer needs a local list first, then a remote list")
         lhandle, rhandle = local._live(), remote._live()
-        lids = _check_ids(local_ids, local.num_descriptors, "local_ids")
-        rids = _check_ids(remote_ids, remote.num_descriptors, "remote_ids")
+        lids = check_ids(local_ids, local.num_descriptors, "local_ids")
+        rids = check_ids(remote_ids, remote.num_descriptors, "remote_ids")
         if lids.size != rids.size:
             raise LayoutError(f"local_ids has {lids.size} ids, remote_ids {rids.size}")
         code = _nixl.NIXL_READ if op is XferOp.READ else _nixl.NIXL_WRITE
@@ -495,3 +464,7 @@ class NixlBackend:
         with _translate("get_notifs"):
             notifs = self._live().getNotifs({}, [])
         return {str(name): list(msgs) for name, msgs in notifs.items()}
+
+
+def _conforms(backend: NixlBackend) -> TransferBackend[PreparedList, XferHandle]:
+    return backend  # mypy checks that NixlBackend satisfies the TransferBackend Protocol
