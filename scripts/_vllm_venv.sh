@@ -20,7 +20,11 @@ if [ ! -x "$VLLM_VENV/bin/python" ] || [ "$(cat "$vstamp" 2>/dev/null)" != "$vwa
   # package; both without deps (they declare torch / CUDA builds).
   "${vpip[@]}" --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
   "${vpip[@]}" --no-deps -e "$ROOT"
-  "$VLLM_VENV/bin/python" -c "import vllm, nixl._api, kvxfer.integrations.vllm" 2>/dev/null
-  echo "$vwant" > "$vstamp"
+  if "$VLLM_VENV/bin/python" -c "import vllm, nixl._api, kvxfer.integrations.vllm" 2>/dev/null; then
+    echo "$vwant" > "$vstamp"
+  else
+    echo "kvxfer: vLLM does not import in $VLLM_VENV" >&2
+    false
+  fi
 fi
 export KVXFER_VLLM_PYTHON="$VLLM_VENV/bin/python"
