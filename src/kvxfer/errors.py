@@ -10,6 +10,7 @@ already catches ``ValueError`` keeps working.
     +-- LayoutError(ValueError)       a layout or plan input is malformed
     |   +-- IncompatibleError         two sides cannot be paired (TP, heads, hash...)
     +-- ProtocolError(ValueError)     a message from a peer failed to decode/validate
+    |   +-- AuthError                 a frame failed authentication (key, MAC, replay)
     +-- TransferError                 NIXL reported a failure for a transfer
     |   +-- PeerLostError             the peer died or restarted (stale generation)
     +-- DeadlineError(TimeoutError)   a request passed its deadline
@@ -18,6 +19,7 @@ already catches ``ValueError`` keeps working.
 from __future__ import annotations
 
 __all__ = [
+    "AuthError",
     "DeadlineError",
     "IncompatibleError",
     "KvxferError",
@@ -42,6 +44,10 @@ class IncompatibleError(LayoutError):
 
 class ProtocolError(KvxferError, ValueError):
     """A message from a peer is malformed, truncated, oversized or of another version."""
+
+
+class AuthError(ProtocolError):
+    """A frame was not authenticated: no or wrong deployment key, a forged or replayed frame."""
 
 
 class TransferError(KvxferError):

@@ -9,18 +9,28 @@ one host.
 Frames: a client sends one frame, ``encode_side(GetRecords(...))`` (a REQ client's
 empty delimiter frame is accepted too); the server replies with one frame,
 ``encode_side(Records(...))`` or ``encode_side(ErrorReply(...))``.
+
+Authentication (:mod:`kvxfer.wire.auth`): with a deployment key, the request is that
+frame sealed for ``SIDE_REQUEST`` and the reply is sealed for ``SIDE_REPLY`` with the
+request's tag as context (it opens only for that request). A keyed server answers
+anything else with one fixed refusal, ``ErrorReply("unauthorized", "authentication
+required")``: no compat hash, no record, no decoding detail. Without a key on either
+side the plain frames above are used (loopback deployments); a server bound to a
+non-loopback address without a key logs a loud warning.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 
 import zmq
 
-from kvxfer.errors import IncompatibleError, LayoutError, PeerLostError, ProtocolError
+from kvxfer.errors import AuthError, IncompatibleError, LayoutError, PeerLostError, ProtocolError
 from kvxfer.wire import (
     MAX_RANKS,
     MAX_REASON_LEN,
@@ -35,8 +45,18 @@ from kvxfer.wire import (
     encode_side,
     peek_hash,
 )
+from kvxfer.wire.auth import (
+    ENV_KEY,
+    SEAL_OVERHEAD,
+    SIDE_REPLY,
+    SIDE_REQUEST,
+    ReplayGuard,
+    Sealer,
+    is_sealed,
+    open_frame,
+)
 
-__all__ = ["RecordSource", "SideChannelServer", "fetch_records"]
+__all__ = ["RecordSource", "SideChannelServer", "fetch_records", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +64,22 @@ RecordSource = Mapping[int, bytes] | Callable[[], Mapping[int, bytes]]
 """Encoded record envelopes by TP rank, or a callable returning them per request."""
 
 _POLL_MS = 50  # how often the server thread checks for stop()
+_REFUSAL = encode_side(ErrorReply("unauthorized", "authentication required"))
+
+
+def is_loopback(addr: str) -> bool:
+    """True for ``ipc://``/``inproc://`` and ``tcp://`` on a loopback host."""
+    if addr.startswith(("ipc://", "inproc://")):
+        return True
+    if not addr.startswith("tcp://"):
+        return False
+    host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a wildcard, an interface or a host name
+        return False
 
 
 class SideChannelServer:
@@ -55,9 +91,13 @@ class SideChannelServer:
         records_by_rank: encoded envelopes (from :func:`~kvxfer.wire.encode_record`)
             by rank, or a callable returning them, called on every request.
         max_request_bytes: requests larger than this are dropped by ZMQ itself.
+        auth_key: the deployment key; with it only sealed, fresh requests get an answer
+            (see the module docstring). None: plain frames (loopback deployments).
+        identity: the sender name this server seals its replies with.
 
     The server never dies from input: a malformed request gets an ErrorReply with
-    code ``malformed``, a log line and ``num_rejected += 1``.
+    code ``malformed`` (with a key: the fixed refusal), a log line and
+    ``num_rejected += 1``.
     """
 
     def __init__(
@@ -66,8 +106,13 @@ class SideChannelServer:
         records_by_rank: RecordSource,
         *,
         max_request_bytes: int = MAX_SIDE_REQUEST_BYTES,
+        auth_key: bytes | None = None,
+        identity: str = "kvxfer-side-channel",
     ) -> None:
         self._bind_addr = bind_addr
+        self._sealer = None if auth_key is None else Sealer(auth_key, SIDE_REPLY, identity)
+        self._key = auth_key
+        self._guard = ReplayGuard()
         self._records: RecordSource = records_by_rank
         self._max_request_bytes = max_request_bytes
         self._lock = threading.Lock()
@@ -99,7 +144,7 @@ class SideChannelServer:
             addr = addr[:-1] + "*"
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes + SEAL_OVERHEAD)
         try:
             sock.bind(addr)
         except zmq.ZMQError as e:
@@ -107,6 +152,14 @@ class SideChannelServer:
             raise LayoutError(f"side channel: cannot bind {self._bind_addr!r}: {e}") from None
         self._sock = sock
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self._key is None and not is_loopback(self._bind_addr):
+            log.warning(
+                "side channel %s: bound on a non-loopback address WITHOUT an authentication "
+                "key: anyone who reaches it gets agent metadata and memory addresses (see "
+                "docs/security.md); set EngineConfig.auth_key or %s",
+                self._address,
+                ENV_KEY,
+            )
         # the socket moves to the thread; the thread start is the memory barrier ZMQ needs
         self._thread = threading.Thread(target=self._serve, name="kvxfer-side-channel", daemon=True)
         self._thread.start()
@@ -147,22 +200,51 @@ class SideChannelServer:
         prefix: list[bytes] = []
         if len(body) == 2 and body[0] == b"":  # REQ clients send an empty delimiter
             prefix, body = [b""], body[1:]
-        reply: ErrorReply | Records
         if len(body) != 1:
-            reply = self._reject(f"expected one frame, got {len(body)}")
+            reject = self._reject(f"expected one frame, got {len(body)}")
+            buf = _REFUSAL if self._key is not None else encode_side(reject)
         else:
-            try:
-                reply = self._answer(body[0])
-            except Exception as e:  # the server must outlive any input or record source
-                log.exception("side channel %s: internal error", self._address)
-                reply = ErrorReply("internal", f"{type(e).__name__}: {e}"[:MAX_REASON_LEN])
-        buf = encode_side(reply)
-        if len(buf) > MAX_SIDE_REPLY_BYTES:
-            buf = encode_side(ErrorReply("too_large", f"reply of {len(buf)} bytes"))
+            buf = self._respond(body[0])
         try:
             sock.send_multipart([identity, *prefix, buf], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # peer gone or its queue full: drop the reply
             log.warning("side channel %s: reply dropped: %s", self._address, e)
+
+    def _respond(self, frame: bytes) -> bytes:
+        """The reply frame to one request frame (sealed, plain, or the fixed refusal)."""
+        if self._key is None or self._sealer is None:
+            if is_sealed(frame):
+                why = "an authenticated request, but this server has no key"
+                return encode_side(ErrorReply("unauthorized", self._reject(why).message))
+            return self._encode(self._answer_safe(frame))
+        try:
+            opened = open_frame(
+                self._key,
+                frame,
+                SIDE_REQUEST,
+                guard=self._guard,
+                max_bytes=self._max_request_bytes + SEAL_OVERHEAD,
+            )
+        except AuthError as e:
+            self._reject(f"unauthenticated: {e}")  # the detail stays in our log
+            return _REFUSAL
+        return self._sealer.seal(
+            self._encode(self._answer_safe(opened.payload)), context=opened.tag
+        )
+
+    def _answer_safe(self, body: bytes) -> ErrorReply | Records:
+        try:
+            return self._answer(body)
+        except Exception as e:  # the server must outlive any input or record source
+            log.exception("side channel %s: internal error", self._address)
+            return ErrorReply("internal", f"{type(e).__name__}: {e}"[:MAX_REASON_LEN])
+
+    @staticmethod
+    def _encode(reply: ErrorReply | Records) -> bytes:
+        buf = encode_side(reply)
+        if len(buf) > MAX_SIDE_REPLY_BYTES:
+            buf = encode_side(ErrorReply("too_large", f"reply of {len(buf)} bytes"))
+        return buf
 
     def _answer(self, body: bytes) -> ErrorReply | Records:
         try:
@@ -198,13 +280,60 @@ class SideChannelServer:
         return ErrorReply("malformed", why[:MAX_REASON_LEN])
 
 
+_CLIENT_SEALERS: dict[bytes, Sealer] = {}
+_CLIENT_LOCK = threading.Lock()
+
+
+def _client_sealer(key: bytes) -> Sealer:
+    """One request sealer per key and process (one replay stream per client process)."""
+    with _CLIENT_LOCK:
+        sealer = _CLIENT_SEALERS.get(key)
+        if sealer is None:
+            if len(_CLIENT_SEALERS) >= 16:
+                _CLIENT_SEALERS.clear()
+            sealer = _CLIENT_SEALERS[key] = Sealer(key, SIDE_REQUEST, f"fetch-{os.getpid()}")
+        return sealer
+
+
+def _open_reply(address: str, frame: bytes, key: bytes | None, request: bytes) -> bytes:
+    """The plain reply bytes of ``frame``; AuthError when the two sides' keys disagree."""
+    if key is None:
+        if is_sealed(frame):
+            raise AuthError(f"side channel {address}: sealed reply to a plain request")
+        return frame
+    if not is_sealed(frame):
+        reply = decode_side(frame, MAX_SIDE_REPLY_BYTES)
+        what = f"{reply.code}: {reply.message}" if isinstance(reply, ErrorReply) else "records"
+        raise AuthError(
+            f"side channel {address}: the server did not authenticate its reply ({what}); "
+            "both sides need the same deployment key"
+        )
+    try:
+        opened = open_frame(
+            key,
+            frame,
+            SIDE_REPLY,
+            context=request[-32:],  # the request's tag: this reply answers this request
+            max_bytes=MAX_SIDE_REPLY_BYTES + SEAL_OVERHEAD,
+        )
+    except AuthError as e:
+        raise AuthError(f"side channel {address}: reply failed authentication: {e}") from None
+    return opened.payload
+
+
 def fetch_records(
-    address: str, ranks: list[int] | None, expected_hash: str, timeout_s: float
+    address: str,
+    ranks: list[int] | None,
+    expected_hash: str,
+    timeout_s: float,
+    *,
+    auth_key: bytes | None = None,
 ) -> list[LayoutRecord]:
     """Fetch and decode the handshake records of ``ranks`` (None: all) from ``address``.
 
     Uses a fresh DEALER socket per call, so it is thread-safe; never blocks past
-    ``timeout_s``.
+    ``timeout_s``. With ``auth_key`` the request is sealed and only a reply sealed
+    for it is accepted.
 
     Returns:
         The decoded records, in the order of ``ranks`` (by rank when None).
@@ -213,16 +342,20 @@ def fetch_records(
         PeerLostError: no reply within ``timeout_s`` (the message names both).
         IncompatibleError: the server or a record has another compat hash.
         ProtocolError: the reply or a record is malformed, or the server refused.
+        AuthError: the server requires a key and none was given, or its reply is not
+            authenticated with ours (a ProtocolError).
         LayoutError: ``address`` is not a valid ZMQ endpoint.
     """
     deadline = time.monotonic() + timeout_s
     if ranks is not None and (len(ranks) > MAX_RANKS or any(not 0 <= r < 1 << 32 for r in ranks)):
         raise LayoutError(f"ranks must be at most {MAX_RANKS} ints in [0, 2**32), got {ranks}")
     request = encode_side(GetRecords(None if ranks is None else tuple(ranks), expected_hash))
+    if auth_key is not None:
+        request = _client_sealer(auth_key).seal(request)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_REPLY_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_REPLY_BYTES + SEAL_OVERHEAD)
         try:
             sock.connect(address)
         except zmq.ZMQError as e:
@@ -240,9 +373,15 @@ def fetch_records(
         sock.close(linger=0)
     if len(frames) != 1:
         raise ProtocolError(f"side channel {address}: expected one reply frame, got {len(frames)}")
-    reply = decode_side(frames[0], MAX_SIDE_REPLY_BYTES)
+    reply = decode_side(_open_reply(address, frames[0], auth_key, request), MAX_SIDE_REPLY_BYTES)
     if isinstance(reply, ErrorReply):
+        if reply.code == "unauthorized" and auth_key is None:
+            raise AuthError(
+                f"side channel {address}: the server requires authentication: configure "
+                f"the deployment key (EngineConfig.auth_key or {ENV_KEY})"
+            )
         cls = IncompatibleError if reply.code == "incompatible" else ProtocolError
+        cls = AuthError if reply.code == "unauthorized" else cls
         raise cls(f"side channel {address}: {reply.code}: {reply.message}")
     if not isinstance(reply, Records):
         raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")
