@@ -64,7 +64,99 @@ RecordSource = Mapping[int, bytes] | Callable[[], Mapping[int, bytes]]
 """Encoded record envelopes by TP rank, or a callable returning them per request."""
 
 _POLL_MS = 50  # how often the server thread checks for stop()
+_BATCH = 256  # requests handled per poll
 _REFUSAL = encode_side(ErrorReply("unauthorized", "authentication required"))
+SNDHWM = 4  # replies queued per peer inside ZMQ (ROUTER_MANDATORY: a full queue raises)
+RCVHWM = 8  # requests queued per peer inside ZMQ
+SNDBUF = 256 << 10  # kernel send buffer per peer connection (bytes)
+MAX_PENDING_BYTES = MAX_SIDE_REPLY_BYTES  # reply bytes not yet handed to the kernel, all peers
+MAX_PENDING_PEERS = 1 << 16  # peers with a reply in flight (~200 bytes of state each)
+REPEAT_BYTES_PER_S = 64 << 20  # reply bytes per second to peers served before, all together
+REPEAT_BURST = 8 << 20
+
+
+class _Pending:
+    """Replies handed to ZMQ but not yet written to the kernel, bounded in bytes and peers.
+
+    A peer gets a new reply only when its previous one left ZMQ: a client that never
+    reads holds at most one reply here (its kernel socket buffers hold the rest), and
+    its further requests are dropped before any work. Replies are sent zero-copy, so
+    peers sent the same (cached) reply share one buffer: memory counts once per
+    distinct buffer. ``fetch_records`` asks once per connection, so a peer asking again
+    is a *repeater*: replies to repeaters share a token bucket of
+    :data:`REPEAT_BYTES_PER_S`, which keeps ZMQ's I/O thread free for first requests
+    under a flood. Used by
+    the server thread only.
+    """
+
+    def __init__(self) -> None:
+        self._by_peer: dict[bytes, tuple[zmq.MessageTracker, int]] = {}  # peer -> tracker, buf
+        self._seen: dict[bytes, None] = {}  # peers served before (bounded, oldest dropped)
+        self._tokens = float(REPEAT_BURST)
+        self._refilled = time.monotonic()
+        self._bufs: dict[int, list[int]] = {}  # id(buf) -> [peers holding it, bytes]
+        self._keep: dict[int, bytes] = {}  # the buffers themselves (ids stay unique)
+        self.num_bytes = 0
+        self._last_sweep = 0.0
+
+    def _release(self, peer: bytes) -> None:
+        _, key = self._by_peer.pop(peer)
+        entry = self._bufs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.num_bytes -= entry[1]
+            del self._bufs[key], self._keep[key]
+
+    def busy(self, peer: bytes) -> bool:
+        """True while ``peer``'s previous reply is still inside ZMQ."""
+        entry = self._by_peer.get(peer)
+        if entry is None:
+            return False
+        if not entry[0].done:
+            return True
+        self._release(peer)
+        return False
+
+    def admit(self, peer: bytes, buf: bytes) -> bool:
+        """True if ``buf`` fits the budgets (sweeping finished replies at most every 50 ms)."""
+        if peer in self._seen:  # a repeater: rate-limited as a group
+            now = time.monotonic()
+            self._tokens = min(
+                REPEAT_BURST, self._tokens + (now - self._refilled) * REPEAT_BYTES_PER_S
+            )
+            self._refilled = now
+            if self._tokens < min(len(buf), REPEAT_BURST):
+                return False
+            self._tokens -= len(buf)
+
+        def fits() -> bool:
+            extra = 0 if id(buf) in self._bufs else len(buf)
+            return (
+                self.num_bytes + extra <= MAX_PENDING_BYTES
+                and len(self._by_peer) < MAX_PENDING_PEERS
+            )
+
+        if fits():
+            return True
+        now = time.monotonic()
+        if now - self._last_sweep > 0.05:
+            self._last_sweep = now
+            for p in [p for p, (t, _) in self._by_peer.items() if t.done]:
+                self._release(p)
+        return fits()
+
+    def add(self, peer: bytes, tracker: zmq.MessageTracker, buf: bytes) -> None:
+        key = id(buf)
+        entry = self._bufs.get(key)
+        if entry is None:
+            entry = self._bufs[key] = [0, len(buf)]
+            self._keep[key] = buf
+            self.num_bytes += len(buf)
+        entry[0] += 1
+        self._by_peer[peer] = (tracker, key)
+        self._seen[peer] = None
+        if len(self._seen) > MAX_PENDING_PEERS:
+            del self._seen[next(iter(self._seen))]
 
 
 def is_loopback(addr: str) -> bool:
@@ -98,6 +190,12 @@ class SideChannelServer:
     The server never dies from input: a malformed request gets an ErrorReply with
     code ``malformed`` (with a key: the fixed refusal), a log line and
     ``num_rejected += 1``.
+
+    Memory stays bounded under clients that never read: ZMQ queues at most
+    :data:`SNDHWM` replies and :data:`RCVHWM` requests per peer, a peer whose previous
+    reply is still inside ZMQ gets no new one (its request is dropped before any work),
+    and replies in flight are capped at :data:`MAX_PENDING_BYTES` and
+    :data:`MAX_PENDING_PEERS` (``num_dropped`` counts the drops).
     """
 
     def __init__(
@@ -122,6 +220,10 @@ class SideChannelServer:
         self._address = ""
         self.num_served = 0
         self.num_rejected = 0
+        self.num_dropped = 0
+        self._pending = _Pending()
+        self._cache: dict[bytes, bytes] = {}  # request body -> encoded reply (static records)
+        self._cache_hit = False
 
     @property
     def address(self) -> str:
@@ -132,6 +234,7 @@ class SideChannelServer:
         """Replace the served records (e.g. after a restart with a new generation)."""
         with self._lock:
             self._records = records_by_rank
+            self._cache = {}
 
     def start(self) -> SideChannelServer:
         """Bind the socket (errors raise here, in the caller) and start the serving thread."""
@@ -145,6 +248,12 @@ class SideChannelServer:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes + SEAL_OVERHEAD)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer raises: we count it
+        # a fixed kernel send buffer: a peer that never reads absorbs at most this much
+        # (autotuning would let it take ~4 MiB of replies, each costing us a copy)
+        sock.setsockopt(zmq.SNDBUF, SNDBUF)
         try:
             sock.bind(addr)
         except zmq.ZMQError as e:
@@ -187,16 +296,25 @@ class SideChannelServer:
             try:
                 if not sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                for _ in range(_BATCH):  # drain without a poll per message
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    try:
+                        self._handle(sock, frames)
+                    except Exception:  # one bad request never stops the server
+                        self._drop("internal error")
+                        log.exception("side channel %s: request failed", self._address)
             except zmq.Again:
                 continue
             except zmq.ZMQError as e:  # the socket is unusable: nothing more to serve
                 log.error("side channel %s: receive failed: %s", self._address, e)
                 return
-            self._handle(sock, frames)
 
     def _handle(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
+        self._cache_hit = False
+        if self._pending.busy(identity):  # it has not taken its last reply: no work for it
+            self._drop("previous reply not read")
+            return
         prefix: list[bytes] = []
         if len(body) == 2 and body[0] == b"":  # REQ clients send an empty delimiter
             prefix, body = [b""], body[1:]
@@ -205,10 +323,25 @@ class SideChannelServer:
             buf = _REFUSAL if self._key is not None else encode_side(reject)
         else:
             buf = self._respond(body[0])
-        try:
-            sock.send_multipart([identity, *prefix, buf], zmq.NOBLOCK)
+        if not self._pending.admit(identity, buf):
+            self._drop(f"{self._pending.num_bytes} reply bytes in flight")
+            return
+        try:  # zero-copy; the tracker says when ZMQ has handed the reply to the kernel
+            tracker = sock.send_multipart(
+                [identity, *prefix, buf], zmq.NOBLOCK, copy=False, track=True
+            )
         except zmq.ZMQError as e:  # peer gone or its queue full: drop the reply
-            log.warning("side channel %s: reply dropped: %s", self._address, e)
+            self._drop(str(e))
+            return
+        if tracker is not None:
+            self._pending.add(identity, tracker, buf)
+        self.num_served += self._cache_hit
+
+    def _drop(self, why: str) -> None:
+        self.num_dropped += 1
+        n = self.num_dropped
+        if n <= 10 or n % 10000 == 0:  # bounded logging under a flood
+            log.warning("side channel %s: reply #%d dropped: %s", self._address, n, why)
 
     def _respond(self, frame: bytes) -> bytes:
         """The reply frame to one request frame (sealed, plain, or the fixed refusal)."""
@@ -216,7 +349,7 @@ class SideChannelServer:
             if is_sealed(frame):
                 why = "an authenticated request, but this server has no key"
                 return encode_side(ErrorReply("unauthorized", self._reject(why).message))
-            return self._encode(self._answer_safe(frame))
+            return self._plain_reply(frame)
         try:
             opened = open_frame(
                 self._key,
@@ -231,6 +364,26 @@ class SideChannelServer:
         return self._sealer.seal(
             self._encode(self._answer_safe(opened.payload)), context=opened.tag
         )
+
+    def _plain_reply(self, body: bytes) -> bytes:
+        """The encoded reply to a plain request; cached while the records are a mapping.
+
+        Identical requests then get the very same buffer, which zero-copy sends share
+        (a flood of identical requests costs one reply's memory).
+        """
+        with self._lock:
+            cache, static = self._cache, not callable(self._records)
+        buf = cache.get(body)
+        if buf is None:
+            reply = self._answer_safe(body)
+            buf = self._encode(reply)
+            if static and isinstance(reply, Records):
+                if len(cache) >= 64:
+                    cache.clear()
+                cache[body] = buf
+        else:
+            self._cache_hit = True  # counted as served once it is sent
+        return buf
 
     def _answer_safe(self, body: bytes) -> ErrorReply | Records:
         try:
