@@ -21,7 +21,6 @@ non-loopback address without a key logs a loud warning.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ from collections.abc import Callable, Mapping
 import zmq
 
 from kvxfer.errors import AuthError, IncompatibleError, LayoutError, PeerLostError, ProtocolError
+from kvxfer.transport.side_limits import RCVHWM, SNDBUF, SNDHWM, Pending, is_loopback
 from kvxfer.wire import (
     MAX_RANKS,
     MAX_REASON_LEN,
@@ -66,112 +66,6 @@ RecordSource = Mapping[int, bytes] | Callable[[], Mapping[int, bytes]]
 _POLL_MS = 50  # how often the server thread checks for stop()
 _BATCH = 256  # requests handled per poll
 _REFUSAL = encode_side(ErrorReply("unauthorized", "authentication required"))
-SNDHWM = 4  # replies queued per peer inside ZMQ (ROUTER_MANDATORY: a full queue raises)
-RCVHWM = 8  # requests queued per peer inside ZMQ
-SNDBUF = 256 << 10  # kernel send buffer per peer connection (bytes)
-MAX_PENDING_BYTES = MAX_SIDE_REPLY_BYTES  # reply bytes not yet handed to the kernel, all peers
-MAX_PENDING_PEERS = 1 << 16  # peers with a reply in flight (~200 bytes of state each)
-REPEAT_BYTES_PER_S = 64 << 20  # reply bytes per second to peers served before, all together
-REPEAT_BURST = 8 << 20
-
-
-class _Pending:
-    """Replies handed to ZMQ but not yet written to the kernel, bounded in bytes and peers.
-
-    A peer gets a new reply only when its previous one left ZMQ: a client that never
-    reads holds at most one reply here (its kernel socket buffers hold the rest), and
-    its further requests are dropped before any work. Replies are sent zero-copy, so
-    peers sent the same (cached) reply share one buffer: memory counts once per
-    distinct buffer. ``fetch_records`` asks once per connection, so a peer asking again
-    is a *repeater*: replies to repeaters share a token bucket of
-    :data:`REPEAT_BYTES_PER_S`, which keeps ZMQ's I/O thread free for first requests
-    under a flood. Used by
-    the server thread only.
-    """
-
-    def __init__(self) -> None:
-        self._by_peer: dict[bytes, tuple[zmq.MessageTracker, int]] = {}  # peer -> tracker, buf
-        self._seen: dict[bytes, None] = {}  # peers served before (bounded, oldest dropped)
-        self._tokens = float(REPEAT_BURST)
-        self._refilled = time.monotonic()
-        self._bufs: dict[int, list[int]] = {}  # id(buf) -> [peers holding it, bytes]
-        self._keep: dict[int, bytes] = {}  # the buffers themselves (ids stay unique)
-        self.num_bytes = 0
-        self._last_sweep = 0.0
-
-    def _release(self, peer: bytes) -> None:
-        _, key = self._by_peer.pop(peer)
-        entry = self._bufs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.num_bytes -= entry[1]
-            del self._bufs[key], self._keep[key]
-
-    def busy(self, peer: bytes) -> bool:
-        """True while ``peer``'s previous reply is still inside ZMQ."""
-        entry = self._by_peer.get(peer)
-        if entry is None:
-            return False
-        if not entry[0].done:
-            return True
-        self._release(peer)
-        return False
-
-    def admit(self, peer: bytes, buf: bytes) -> bool:
-        """True if ``buf`` fits the budgets (sweeping finished replies at most every 50 ms)."""
-        if peer in self._seen:  # a repeater: rate-limited as a group
-            now = time.monotonic()
-            self._tokens = min(
-                REPEAT_BURST, self._tokens + (now - self._refilled) * REPEAT_BYTES_PER_S
-            )
-            self._refilled = now
-            if self._tokens < min(len(buf), REPEAT_BURST):
-                return False
-            self._tokens -= len(buf)
-
-        def fits() -> bool:
-            extra = 0 if id(buf) in self._bufs else len(buf)
-            return (
-                self.num_bytes + extra <= MAX_PENDING_BYTES
-                and len(self._by_peer) < MAX_PENDING_PEERS
-            )
-
-        if fits():
-            return True
-        now = time.monotonic()
-        if now - self._last_sweep > 0.05:
-            self._last_sweep = now
-            for p in [p for p, (t, _) in self._by_peer.items() if t.done]:
-                self._release(p)
-        return fits()
-
-    def add(self, peer: bytes, tracker: zmq.MessageTracker, buf: bytes) -> None:
-        key = id(buf)
-        entry = self._bufs.get(key)
-        if entry is None:
-            entry = self._bufs[key] = [0, len(buf)]
-            self._keep[key] = buf
-            self.num_bytes += len(buf)
-        entry[0] += 1
-        self._by_peer[peer] = (tracker, key)
-        self._seen[peer] = None
-        if len(self._seen) > MAX_PENDING_PEERS:
-            del self._seen[next(iter(self._seen))]
-
-
-def is_loopback(addr: str) -> bool:
-    """True for ``ipc://``/``inproc://`` and ``tcp://`` on a loopback host."""
-    if addr.startswith(("ipc://", "inproc://")):
-        return True
-    if not addr.startswith("tcp://"):
-        return False
-    host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a wildcard, an interface or a host name
-        return False
 
 
 class SideChannelServer:
@@ -192,10 +86,10 @@ class SideChannelServer:
     ``num_rejected += 1``.
 
     Memory stays bounded under clients that never read: ZMQ queues at most
-    :data:`SNDHWM` replies and :data:`RCVHWM` requests per peer, a peer whose previous
+    :data:`~kvxfer.transport.side_limits.SNDHWM` replies and :data:`RCVHWM` requests per peer, a peer whose previous
     reply is still inside ZMQ gets no new one (its request is dropped before any work),
-    and replies in flight are capped at :data:`MAX_PENDING_BYTES` and
-    :data:`MAX_PENDING_PEERS` (``num_dropped`` counts the drops).
+    and replies in flight are bounded (:class:`~kvxfer.transport.side_limits.Pending`;
+    ``num_dropped`` counts the drops).
     """
 
     def __init__(
@@ -221,7 +115,7 @@ class SideChannelServer:
         self.num_served = 0
         self.num_rejected = 0
         self.num_dropped = 0
-        self._pending = _Pending()
+        self._pending = Pending()
         self._cache: dict[bytes, bytes] = {}  # request body -> encoded reply (static records)
         self._cache_hit = False
 
