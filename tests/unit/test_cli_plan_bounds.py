@@ -114,6 +114,18 @@ def test_explicit_record_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert f"local.regions: {MAX_REGIONS + 1} regions exceed the limit of {MAX_REGIONS}" in err
 
 
+def test_explicit_descriptor_total_and_rank_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    view = dict(EXPLICIT["local"]["views"][0], count=1 << 32, stride=1, length=1, offset=0)
+    doc = with_value(EXPLICIT, "local.views", [view, view])
+    err = run_bad(tmp_path, capsys, json.dumps(doc))
+    assert "local.views: 8589934592 descriptors in all exceed the limit of 4294967296" in err
+    doc = with_value(EXPLICIT, "remote", [{"spec": {}}] * 4097)
+    err = run_bad(tmp_path, capsys, json.dumps(doc))
+    assert "remote: 4097 records exceed the limit of 4096 ranks" in err
+
+
 def test_deeply_nested_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = json.dumps(BASE)[:-1] + ', "description": ' + "[" * 100_000 + "]" * 100_000 + "}"
     err = run_bad(tmp_path, capsys, text)

@@ -26,6 +26,8 @@ from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 from kvxfer.wire.limits import (
     MAX_BLOCK_ID,
     MAX_COUNT,
+    MAX_DESCRIPTORS,
+    MAX_RANKS,
     MAX_REGIONS,
     MAX_SMALL_INT,
     MAX_U64,
@@ -210,6 +212,11 @@ def _record(obj: Mapping[str, Any], path: str) -> CacheLayout:
             raise LayoutError(f"{path}.{what}: {len(items)} {what} exceed the limit of {limit}")
     region_list = tuple(_region(r, f"{path}.regions[{i}]") for i, r in enumerate(regions))
     view_list = tuple(_view(v, f"{path}.views[{i}]") for i, v in enumerate(views))
+    total = sum(v.count for v in view_list)
+    if total > MAX_DESCRIPTORS:
+        raise LayoutError(
+            f"{path}.views: {total} descriptors in all exceed the limit of {MAX_DESCRIPTORS}"
+        )
     small = MAX_SMALL_INT
     block_size = _int(obj, "block_size", path, hi=small)
     num_kv_heads = _int(obj, "num_kv_heads", path, hi=small)
@@ -340,6 +347,8 @@ def parse_engine(value: object, path: str) -> dict[int, CacheLayout]:
     if isinstance(value, list):
         if not value:
             raise LayoutError(f"{path}: expected at least one remote record, got []")
+        if len(value) > MAX_RANKS:
+            raise LayoutError(f"{path}: {len(value)} records exceed the limit of {MAX_RANKS} ranks")
         out: dict[int, CacheLayout] = {}
         for i, item in enumerate(value):
             lay = parse_side(item, f"{path}[{i}]")
