@@ -75,7 +75,9 @@ class SideChannelServer:
         bind_addr: ZMQ endpoint to bind, e.g. ``tcp://0.0.0.0:5600``; port 0 (or
             ``*``) picks a free port, reported by :attr:`address`.
         records_by_rank: encoded envelopes (from :func:`~kvxfer.wire.encode_record`)
-            by rank, or a callable returning them, called on every request.
+            by rank, or a callable returning them, called on every request. A mapping
+            is taken as fixed (its replies are cached): change it with
+            :meth:`set_records`.
         max_request_bytes: requests larger than this are dropped by ZMQ itself.
         auth_key: the deployment key; with it only sealed, fresh requests get an answer
             (see the module docstring). None: plain frames (loopback deployments).
