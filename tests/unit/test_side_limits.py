@@ -15,20 +15,29 @@ class FakeTracker:
     done: bool = False
 
 
-def test_one_reply_in_flight_per_peer_and_shared_buffers_count_once() -> None:
-    p, reply = Pending(), b"r" * 1000
+def test_one_large_reply_in_flight_per_peer_and_shared_buffers_count_once() -> None:
+    p, reply = Pending(), b"r" * side_limits.PEER_BYTES
     trackers = {peer: FakeTracker() for peer in (b"a", b"b", b"c")}
     for peer, t in trackers.items():
         assert not p.busy(peer) and p.admit(peer, reply)
         p.add(peer, t, reply)
-    assert p.num_bytes == 1000  # three peers, one buffer
-    assert p.busy(b"a")
+    assert p.num_bytes == side_limits.PEER_BYTES  # three peers, one buffer
+    assert p.busy(b"a")  # a peer that has not taken its reply gets no more work
     trackers[b"a"].done = True
-    assert not p.busy(b"a") and p.num_bytes == 1000  # b and c still hold it
+    assert not p.busy(b"a") and p.num_bytes == side_limits.PEER_BYTES  # b, c hold it
     for peer in (b"b", b"c"):
         trackers[peer].done = True
         assert not p.busy(peer)
     assert p.num_bytes == 0
+
+
+def test_pipelined_small_replies_keep_flowing() -> None:
+    p = Pending()
+    for i in range(200):  # a client that pipelines requests with small replies
+        assert not p.busy(b"a")
+        buf = b"%d" % i * 100
+        assert p.admit(b"a", buf)
+        p.add(b"a", FakeTracker(), buf)
 
 
 def test_budget_refuses_unique_buffers_past_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:

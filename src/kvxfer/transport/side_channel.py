@@ -87,9 +87,9 @@ class SideChannelServer:
     code ``malformed`` (with a key: the fixed refusal), a log line and
     ``num_rejected += 1``.
 
-    Memory stays bounded under clients that never read: ZMQ queues at most
-    :data:`~kvxfer.transport.side_limits.SNDHWM` replies and :data:`RCVHWM` requests per peer, a peer whose previous
-    reply is still inside ZMQ gets no new one (its request is dropped before any work),
+    Memory stays bounded under clients that never read: ZMQ queues few requests per
+    peer, a peer with about one large reply still inside ZMQ gets no new one (its
+    request is dropped before any work),
     and replies in flight are bounded (:class:`~kvxfer.transport.side_limits.Pending`;
     ``num_dropped`` counts the drops).
     """
@@ -143,7 +143,8 @@ class SideChannelServer:
             addr = addr[:-1] + "*"
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes + SEAL_OVERHEAD)
+        overhead = 0 if self._key is None else SEAL_OVERHEAD
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes + overhead)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer raises: we count it
