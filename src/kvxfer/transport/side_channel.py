@@ -65,6 +65,7 @@ RecordSource = Mapping[int, bytes] | Callable[[], Mapping[int, bytes]]
 
 _POLL_MS = 50  # how often the server thread checks for stop()
 _BATCH = 256  # requests handled per poll
+_CACHE_BYTES = MAX_SIDE_REPLY_BYTES // 2  # cached encoded replies, all together
 _REFUSAL = encode_side(ErrorReply("unauthorized", "authentication required"))
 
 
@@ -274,9 +275,9 @@ class SideChannelServer:
         if buf is None:
             reply = self._answer_safe(body)
             buf = self._encode(reply)
-            if static and isinstance(reply, Records):
-                if len(cache) >= 64:
-                    cache.clear()
+            if static and isinstance(reply, Records) and len(buf) <= _CACHE_BYTES:
+                if len(cache) >= 64 or sum(map(len, cache.values())) + len(buf) > _CACHE_BYTES:
+                    cache.clear()  # bounded: a few distinct requests are all a deployment makes
                 cache[body] = buf
         else:
             self._cache_hit = True  # counted as served once it is sent
