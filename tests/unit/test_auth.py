@@ -153,3 +153,11 @@ def test_load_auth_key() -> None:
         load_auth_key(env={ENV_KEY: "short"})
     with pytest.raises(LayoutError, match="at least 16 bytes"):
         Sealer(b"short", SIDE_REQUEST, "c")
+
+
+def test_engine_config_keeps_the_key_out_of_repr() -> None:
+    from kvxfer.engine.config import EngineConfig
+
+    cfg = EngineConfig("e", auth_key=KEY)
+    assert cfg.auth_key == KEY and KEY.decode() not in repr(cfg)
+    assert EngineConfig("e").auth_key is None
