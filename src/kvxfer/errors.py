@@ -12,6 +12,7 @@ Every error kvxfer raises derives from :class:`KvxferError`. Bad caller input
     |   |   +-- IncompatibleError          two sides cannot be paired (TP, heads, hash...)
     |   +-- ConfigError                    a setting, handle use or memory kind is invalid
     +-- ProtocolError(ValueError)          a message from a peer failed to decode/validate
+    |   +-- AuthError                      a frame failed authentication (key, MAC, replay)
     +-- BackendUnavailableError(ImportError)  the transfer library (NIXL) is not installed
     +-- TransferError                      NIXL reported a failure for a transfer
     |   +-- PeerLostError                  the peer died or restarted (stale generation)
@@ -21,6 +22,7 @@ Every error kvxfer raises derives from :class:`KvxferError`. Bad caller input
 from __future__ import annotations
 
 __all__ = [
+    "AuthError",
     "BackendUnavailableError",
     "ConfigError",
     "DeadlineError",
@@ -61,6 +63,10 @@ class ProtocolError(KvxferError, ValueError):
 
 class BackendUnavailableError(KvxferError, ImportError):
     """The transfer library is not importable; the message gives the install line."""
+
+
+class AuthError(ProtocolError):
+    """A frame was not authenticated: no or wrong deployment key, a forged or replayed frame."""
 
 
 class TransferError(KvxferError):

@@ -9,7 +9,6 @@ whose format is versioned by ``"format"``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.cli.plan_bounds import MAX_PLAN_FILE_BYTES, loads_json
 from kvxfer.cli.records import PlanInput, load_plan_input
 from kvxfer.errors import LayoutError
 from kvxfer.layout.model import CacheLayout
@@ -37,7 +37,11 @@ def read_plan_file(path: str | Path) -> PlanInput:
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as f:  # bounded read: never more than the limit + 1 bytes
+            raw = f.read(MAX_PLAN_FILE_BYTES + 1)
+        if len(raw) > MAX_PLAN_FILE_BYTES:
+            raise LayoutError(f"{p}: file exceeds the limit of {MAX_PLAN_FILE_BYTES} bytes")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise LayoutError(f"cannot read {p}: {getattr(exc, 'strerror', None) or exc}") from None
     if p.suffix.lower() == ".toml":
@@ -47,15 +51,10 @@ def read_plan_file(path: str | Path) -> PlanInput:
             raise LayoutError("TOML plan files need Python >= 3.11; use JSON") from None
         try:
             data: Any = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise LayoutError(f"{p}: invalid TOML: {exc}") from None
+        except (tomllib.TOMLDecodeError, ValueError, RecursionError) as exc:
+            raise LayoutError(f"{p}: invalid TOML: {str(exc)[:200]}") from None
     else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise LayoutError(
-                f"{p}: invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-            ) from None
+        data = loads_json(text, str(p))
     return load_plan_input(data)
 
 

@@ -12,15 +12,27 @@ the previous end rounded up to :data:`REGION_ALIGN`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
 from kvxfer._intmath import ceil_div
+from kvxfer.cli.plan_bounds import BigInt, check_spec_sizes
 from kvxfer.errors import LayoutError
 from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
 from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.wire.limits import (
+    MAX_BLOCK_ID,
+    MAX_COUNT,
+    MAX_DESCRIPTORS,
+    MAX_RANKS,
+    MAX_REGIONS,
+    MAX_SMALL_INT,
+    MAX_U64,
+    MAX_VIEWS,
+)
 
 __all__ = [
     "DEFAULT_BASE_ADDR",
@@ -91,17 +103,26 @@ def _get(obj: Mapping[str, Any], key: str, path: str, default: object = _MISSING
     return default
 
 
-def _int(obj: Mapping[str, Any], key: str, path: str, default: object = _MISSING) -> int:
-    """An int field; addresses may also be hex strings (``"0x7f00..."``)."""
+def _bounded(value: object, where: str, hi: int) -> int:
+    """``value`` as an int of magnitude at most ``hi`` (a wire bound), or LayoutError."""
+    if isinstance(value, BigInt):
+        raise LayoutError(f"{where}: {value!r} exceeds the limit of {hi}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{where}: expected int, got {_show(value)}")
+    if abs(value) > hi:
+        raise LayoutError(f"{where}: {value} exceeds the limit of {hi}")
+    return value
+
+
+def _int(
+    obj: Mapping[str, Any], key: str, path: str, default: object = _MISSING, hi: int = MAX_U64
+) -> int:
+    """An int field of magnitude <= ``hi``; addresses may also be hex strings (``"0x7f00..."``)."""
     value = _get(obj, key, path, default)
     if isinstance(value, str) and key.endswith("addr") and value.lower().startswith("0x"):
-        try:
-            return int(value, 16)
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LayoutError(f"{path}.{key}: expected int, got {_show(value)}")
-    return value
+        with contextlib.suppress(ValueError):  # hex is linear-time: no digit limit needed
+            value = int(value, 16)
+    return _bounded(value, f"{path}.{key}", hi)
 
 
 def _bool(obj: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
@@ -133,12 +154,9 @@ def _list(value: object, path: str) -> list[Any]:
     return value
 
 
-def _int_list(obj: Mapping[str, Any], key: str, path: str) -> tuple[int, ...]:
+def _int_list(obj: Mapping[str, Any], key: str, path: str, hi: int) -> tuple[int, ...]:
     items = _list(_get(obj, key, path), f"{path}.{key}")
-    for i, x in enumerate(items):
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise LayoutError(f"{path}.{key}[{i}]: expected int, got {_show(x)}")
-    return tuple(items)
+    return tuple(_bounded(x, f"{path}.{key}[{i}]", hi) for i, x in enumerate(items))
 
 
 def _checked(path: str, build: Callable[[], CacheLayout]) -> CacheLayout:
@@ -165,7 +183,7 @@ def _region(value: object, path: str) -> Region:
     return Region(
         base_addr=_int(obj, "base_addr", path),
         num_bytes=_int(obj, "num_bytes", path),
-        device_id=_int(obj, "device_id", path, 0),
+        device_id=_int(obj, "device_id", path, 0, MAX_SMALL_INT),
         name=_str(obj, "name", path),
     )
 
@@ -174,11 +192,11 @@ def _view(value: object, path: str) -> View:
     obj = _obj(value, path)
     _check_keys(obj, _VIEW_KEYS, path)
     return View(
-        region=_int(obj, "region", path),
+        region=_int(obj, "region", path, hi=MAX_REGIONS),
         offset=_int(obj, "offset", path),
         length=_int(obj, "length", path),
         stride=_int(obj, "stride", path),
-        count=_int(obj, "count", path),
+        count=_int(obj, "count", path, hi=MAX_COUNT),
         kind=_enum(obj, "kind", path, ViewKind, ViewKind.ATTN),
         shard=_enum(obj, "shard", path, Shard, Shard.HEADS),
         name=_str(obj, "name", path),
@@ -189,16 +207,25 @@ def _record(obj: Mapping[str, Any], path: str) -> CacheLayout:
     _check_keys(obj, _RECORD_KEYS, path)
     regions = _list(_get(obj, "regions", path), f"{path}.regions")
     views = _list(_get(obj, "views", path), f"{path}.views")
+    for what, items, limit in (("regions", regions, MAX_REGIONS), ("views", views, MAX_VIEWS)):
+        if len(items) > limit:
+            raise LayoutError(f"{path}.{what}: {len(items)} {what} exceed the limit of {limit}")
     region_list = tuple(_region(r, f"{path}.regions[{i}]") for i, r in enumerate(regions))
     view_list = tuple(_view(v, f"{path}.views[{i}]") for i, v in enumerate(views))
-    block_size = _int(obj, "block_size", path)
-    num_kv_heads = _int(obj, "num_kv_heads", path)
-    head_dim = _int(obj, "head_dim", path)
-    dtype_bytes = _int(obj, "dtype_bytes", path)
-    tp_rank = _int(obj, "tp_rank", path, 0)
-    tp_size = _int(obj, "tp_size", path, 1)
+    total = sum(v.count for v in view_list)
+    if total > MAX_DESCRIPTORS:
+        raise LayoutError(
+            f"{path}.views: {total} descriptors in all exceed the limit of {MAX_DESCRIPTORS}"
+        )
+    small = MAX_SMALL_INT
+    block_size = _int(obj, "block_size", path, hi=small)
+    num_kv_heads = _int(obj, "num_kv_heads", path, hi=small)
+    head_dim = _int(obj, "head_dim", path, hi=small)
+    dtype_bytes = _int(obj, "dtype_bytes", path, hi=small)
+    tp_rank = _int(obj, "tp_rank", path, 0, small)
+    tp_size = _int(obj, "tp_size", path, 1, small)
     token_layout = _enum(obj, "token_layout", path, TokenLayout, TokenLayout.HND)
-    ppl = _int(obj, "ppl", path, 1)
+    ppl = _int(obj, "ppl", path, 1, small)
     is_mla = _bool(obj, "is_mla", path, False)
     is_cross_layer = _bool(obj, "is_cross_layer", path, False)
     engine_id = _str(obj, "engine_id", path)
@@ -238,9 +265,9 @@ def _state(value: object, path: str) -> StateSpec | None:
     obj = _obj(value, path)
     _check_keys(obj, _STATE_KEYS, path)
     return StateSpec(
-        num_layers=_int(obj, "num_layers", path),
-        conv_cols=_int_list(obj, "conv_cols", path),
-        conv_kernel=_int(obj, "conv_kernel", path),
+        num_layers=_int(obj, "num_layers", path, hi=MAX_SMALL_INT),
+        conv_cols=_int_list(obj, "conv_cols", path, MAX_SMALL_INT),
+        conv_kernel=_int(obj, "conv_kernel", path, hi=MAX_SMALL_INT),
         ssm_bytes=_int(obj, "ssm_bytes", path),
     )
 
@@ -250,16 +277,16 @@ def _spec(value: object, path: str) -> LayoutSpec:
     _check_keys(obj, _SPEC_KEYS, path)
     return LayoutSpec(
         kind=_enum(obj, "kind", path, AttnKind, AttnKind.SPLIT_KV),
-        num_layers=_int(obj, "num_layers", path),
-        num_blocks=_int(obj, "num_blocks", path),
-        block_size=_int(obj, "block_size", path),
-        num_kv_heads=_int(obj, "num_kv_heads", path),
-        head_dim=_int(obj, "head_dim", path),
-        dtype_bytes=_int(obj, "dtype_bytes", path, 2),
-        tp_rank=_int(obj, "tp_rank", path, 0),
-        tp_size=_int(obj, "tp_size", path, 1),
+        num_layers=_int(obj, "num_layers", path, hi=MAX_SMALL_INT),
+        num_blocks=_int(obj, "num_blocks", path, hi=MAX_COUNT),
+        block_size=_int(obj, "block_size", path, hi=MAX_SMALL_INT),
+        num_kv_heads=_int(obj, "num_kv_heads", path, hi=MAX_SMALL_INT),
+        head_dim=_int(obj, "head_dim", path, hi=MAX_SMALL_INT),
+        dtype_bytes=_int(obj, "dtype_bytes", path, 2, MAX_SMALL_INT),
+        tp_rank=_int(obj, "tp_rank", path, 0, MAX_SMALL_INT),
+        tp_size=_int(obj, "tp_size", path, 1, MAX_SMALL_INT),
         token_layout=_enum(obj, "token_layout", path, TokenLayout, TokenLayout.HND),
-        ppl=_int(obj, "ppl", path, 1),
+        ppl=_int(obj, "ppl", path, 1, MAX_SMALL_INT),
         state=_state(obj.get("state"), f"{path}.state"),
     )
 
@@ -287,9 +314,10 @@ def _shorthand(obj: Mapping[str, Any], path: str, rank_index: int | None = None)
     _check_keys(obj, _SHORTHAND_KEYS, path)
     spec_path = f"{path}.spec"
     base = _int(obj, "base_addr", path, DEFAULT_BASE_ADDR)
-    device_id = _int(obj, "device_id", path, 0)
+    device_id = _int(obj, "device_id", path, 0, MAX_SMALL_INT)
     engine_id = _str(obj, "engine_id", path)
     spec = _spec(obj["spec"], spec_path)
+    check_spec_sizes(spec, spec_path, 1 if rank_index is None else spec.tp_size)
     try:
         if rank_index is not None:
             spec = spec.with_rank(rank_index)
@@ -319,6 +347,8 @@ def parse_engine(value: object, path: str) -> dict[int, CacheLayout]:
     if isinstance(value, list):
         if not value:
             raise LayoutError(f"{path}: expected at least one remote record, got []")
+        if len(value) > MAX_RANKS:
+            raise LayoutError(f"{path}: {len(value)} records exceed the limit of {MAX_RANKS} ranks")
         out: dict[int, CacheLayout] = {}
         for i, item in enumerate(value):
             lay = parse_side(item, f"{path}[{i}]")
@@ -336,9 +366,10 @@ def parse_engine(value: object, path: str) -> dict[int, CacheLayout]:
             f"{path}.spec.tp_rank: not allowed when the remote engine is one spec "
             "(every rank of tp_size is expanded); give a list of records instead"
         )
-    tp_size = _int(spec_obj, "tp_size", f"{path}.spec", 1)
+    tp_size = _int(spec_obj, "tp_size", f"{path}.spec", 1, MAX_SMALL_INT)
     if tp_size <= 0:
         raise LayoutError(f"{path}.spec.tp_size: must be > 0, got {tp_size}")
+    check_spec_sizes(_spec(spec_obj, f"{path}.spec"), f"{path}.spec", tp_size)
     return {r: _shorthand(obj, path, rank_index=r) for r in range(tp_size)}
 
 
@@ -353,13 +384,17 @@ def _request(value: object, path: str) -> RequestInput | None:
         return None
     obj = _obj(value, path)
     _check_keys(obj, _REQUEST_KEYS, path)
-    opt = {k: _int_list(obj, k, path) for k in ("local_state_ids", "remote_state_ids") if k in obj}
+    ids = {
+        k: _int_list(obj, k, path, MAX_BLOCK_ID)
+        for k in ("local_block_ids", "remote_block_ids", "local_state_ids", "remote_state_ids")
+        if k in obj or not k.endswith("state_ids")  # block ids are required: _get names them
+    }
     return RequestInput(
-        local_block_ids=_int_list(obj, "local_block_ids", path),
-        remote_block_ids=_int_list(obj, "remote_block_ids", path),
-        local_state_ids=opt.get("local_state_ids"),
-        remote_state_ids=opt.get("remote_state_ids"),
-        num_cached_blocks=_int(obj, "num_cached_blocks", path, 0),
+        local_block_ids=ids["local_block_ids"],
+        remote_block_ids=ids["remote_block_ids"],
+        local_state_ids=ids.get("local_state_ids"),
+        remote_state_ids=ids.get("remote_state_ids"),
+        num_cached_blocks=_int(obj, "num_cached_blocks", path, 0, MAX_BLOCK_ID),
     )
 
 

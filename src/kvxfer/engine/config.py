@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -51,6 +51,9 @@ class EngineConfig:
             environment variables).
         max_run_blocks: longest run of blocks (contiguous on both sides) moved by one
             descriptor (run rows, strided lists only; 1 disables coalescing).
+        auth_key: deployment key (>= 16 bytes) authenticating the side channel and
+            notifications (HMAC-SHA256, :mod:`kvxfer.wire.auth`); None: unauthenticated
+            (loopback only). ``kvxfer.wire.auth.load_auth_key()`` reads ``KVXFER_AUTH_KEY``.
     """
 
     engine_id: str
@@ -67,6 +70,7 @@ class EngineConfig:
     advertise_addr: str | None = None
     backend_params: tuple[tuple[str, str], ...] = ()
     max_run_blocks: int = 1  # measured: NIXL 1.5 merges dense consecutive indices itself
+    auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
 
     @property
     def run_blocks(self) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import LayoutError
+from kvxfer.layout.overlap import check_views_disjoint
 
 __all__ = ["CacheLayout", "MemKind", "Region", "Shard", "TokenLayout", "View", "ViewKind"]
 
@@ -187,7 +188,12 @@ class CacheLayout:
         return self.regions[v.region].base_addr + v.offset
 
     def check_integrity(self) -> None:
-        """Raise LayoutError naming the first field or numbers that disagree."""
+        """Raise LayoutError naming the first field or numbers that disagree.
+
+        Besides each field and each view alone, views of one kind in one region must not
+        share a byte in any pair of blocks (a V view over its K view, a state page larger
+        than its stride): one request would write the same local bytes twice.
+        """
         if not self.regions:
             raise LayoutError("layout has no regions")
         if not self.views:
@@ -224,6 +230,12 @@ class CacheLayout:
         counts = {v.count // self.ppl if v.kind is ViewKind.ATTN else v.count for v in self.views}
         if len(counts) != 1:
             raise LayoutError(f"views disagree on the number of logical blocks: {sorted(counts)}")
+        groups: dict[tuple[int, ViewKind], list[int]] = {}
+        for i, v in enumerate(self.views):  # ATTN and STATE views may share pages (hybrid)
+            groups.setdefault((v.region, v.kind), []).append(i)
+        for (region, _), idx in groups.items():
+            if len(idx) > 1:
+                check_views_disjoint(region, self.views, idx)
 
     def _check_view(self, i: int, v: View) -> None:
         if not 0 <= v.region < len(self.regions):

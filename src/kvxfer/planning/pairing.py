@@ -20,7 +20,9 @@ from kvxfer.layout.model import CacheLayout, Shard, TokenLayout, View
 from kvxfer.planning.descriptors import ADDR, COUNT, LEN, STRIDE, U64, row_starts, strided_rows
 from kvxfer.planning.tp import Source, TpPlan, plan_tp
 
-__all__ = ["PeerPlan", "SourcePlan", "pair_layouts", "with_run_rows"]
+__all__ = ["MAX_ROWS", "PeerPlan", "SourcePlan", "pair_layouts", "with_run_rows"]
+
+MAX_ROWS = 1 << 20  # strided rows per source: the wire's MAX_VIEWS (planning cannot import wire)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -267,6 +269,12 @@ def pair_layouts(
         )
     if kbsr > 1 and local.state_views:
         raise IncompatibleError(f"block size ratio {kbsr} with hybrid state views")
+    num_rows = kbsr * len(local.attn_views)  # each ATTN view splits into kbsr sub-block rows
+    if num_rows > MAX_ROWS:  # checked before any array of that size is made
+        raise IncompatibleError(
+            f"block size ratio {kbsr} x {len(local.attn_views)} attention views = {num_rows} "
+            f"rows exceed the limit of {MAX_ROWS}"
+        )
     sources = []
     for src in plan.sources:
         if src.rank not in remotes and not require_all:

@@ -35,6 +35,7 @@ __all__ = ["RequestPlan", "SourceIds", "expand_ids", "plan_request"]
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]  # descriptor indices, as NIXL takes them
+INT32_LIMIT = 1 << 31  # NIXL's descriptor indices are int32: every index must be below this
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -103,6 +104,40 @@ def _as_ids(ids: npt.ArrayLike, num_blocks: int, what: str) -> I64:
     return arr
 
 
+def _check_unique(ids: I64, what: str) -> None:
+    """Refuse a block given twice: two sources would write the same local bytes."""
+    if ids.size < 2:
+        return
+    s = np.sort(ids)
+    dup = np.flatnonzero(s[1:] == s[:-1])
+    if dup.size:
+        raise LayoutError(
+            f"{what}: block {int(s[dup[0]])} given twice (each local block receives one source)"
+        )
+
+
+def _check_int32(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64) -> None:
+    """Refuse indices past NIXL's int32 range instead of letting the cast wrap them."""
+    for side, starts, k, s in (
+        ("local", src.local_starts, lk, ls),
+        ("remote", src.remote_starts, rk, rs),
+    ):
+        if int(starts[-1]) <= INT32_LIMIT:
+            continue  # the whole prepared list fits: no index can wrap
+        n = src.num_base_rows
+        attn = starts[:n][~src.row_is_state[:n]]
+        state = starts[:n][src.row_is_state[:n]]
+        hi = max(
+            int(attn.max()) + int(k.max()) if attn.size and k.size else -1,
+            int(state.max()) + int(s.max()) if state.size and s.size else -1,
+        )
+        if hi >= INT32_LIMIT:
+            raise LayoutError(
+                f"source rank {src.rank}: {side} descriptor index {hi} does not fit NIXL's int32 "
+                f"indices (prepared list of {int(starts[-1])} descriptors; at most 2**31)"
+            )
+
+
 def expand_ids(logical_ids: I64, ppl: int) -> I64:
     """Kernel block ids of ``logical_ids``: ``(N,) -> (N * ppl,)``, ``L*ppl + j``."""
     return (logical_ids[:, None] * ppl + np.arange(ppl, dtype=np.int64)[None, :]).ravel()
@@ -165,6 +200,12 @@ def _coalesce(
     # phase rows: block b at level k sits in row (k, b % w) at index b // w
     new_local = src.local_starts[src.run_rows[base, lv, bl % w]] + bl // w
     new_remote = src.remote_starts[src.run_rows[base, lv, br % w]] + br // w
+    for side, idx in (("local", new_local), ("remote", new_remote)):
+        if idx.size and int(idx.max()) >= INT32_LIMIT:  # run rows sit past the base rows
+            raise LayoutError(
+                f"source rank {src.rank}: {side} run descriptor index {int(idx.max())} does "
+                "not fit NIXL's int32 indices"
+            )
     return new_local.astype(np.int32), new_remote.astype(np.int32)
 
 
@@ -231,9 +272,13 @@ def plan_request(
         num_cached_blocks: leading local logical blocks already present (prefix hit).
 
     Raises:
-        LayoutError: ids out of range, not 1-D, or lengths that do not pair.
+        LayoutError: ids out of range, not 1-D, or lengths that do not pair; a local
+            block (or local state block) given twice (remote ids may repeat: reading one
+            remote block into two local blocks writes every local byte once); a descriptor
+            index past NIXL's int32 range.
     """
     lids = _as_ids(local_block_ids, peer.local_num_blocks, "local_block_ids")
+    _check_unique(lids, "local_block_ids")
     rids = _as_ids(remote_block_ids, peer.remote_num_blocks, "remote_block_ids")
     if not 0 <= num_cached_blocks <= lids.size:
         raise LayoutError(f"num_cached_blocks {num_cached_blocks} not in [0, {lids.size}]")
@@ -256,9 +301,13 @@ def plan_request(
         if remote_state_ids is None
         else _as_ids(remote_state_ids, peer.remote_num_blocks, "remote_state_ids")
     )
+    if local_state_ids is not None:
+        _check_unique(ls, "local_state_ids")
     has_state = any(bool(s.row_is_state.any()) for s in peer.sources)
     if has_state and ls.size != rs.size:
         raise LayoutError(f"state ids differ in length: local {ls.size}, remote {rs.size}")
+    for s in peer.sources:
+        _check_int32(s, lk, rk, ls, rs)
     return RequestPlan(
         tuple(_source_ids(s, lk, rk, ls, rs, kbsr) for s in peer.sources), peer.notify_only
     )

@@ -9,18 +9,28 @@ one host.
 Frames: a client sends one frame, ``encode_side(GetRecords(...))`` (a REQ client's
 empty delimiter frame is accepted too); the server replies with one frame,
 ``encode_side(Records(...))`` or ``encode_side(ErrorReply(...))``.
+
+Authentication (:mod:`kvxfer.wire.auth`): with a deployment key, the request is that
+frame sealed for ``SIDE_REQUEST`` and the reply is sealed for ``SIDE_REPLY`` with the
+request's tag as context (it opens only for that request). A keyed server answers
+anything else with one fixed refusal, ``ErrorReply("unauthorized", "authentication
+required")``: no compat hash, no record, no decoding detail. Without a key on either
+side the plain frames above are used (loopback deployments); a server bound to a
+non-loopback address without a key logs a loud warning.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 
 import zmq
 
-from kvxfer.errors import IncompatibleError, LayoutError, PeerLostError, ProtocolError
+from kvxfer.errors import AuthError, IncompatibleError, LayoutError, PeerLostError, ProtocolError
+from kvxfer.transport.side_limits import RCVHWM, SNDBUF, SNDHWM, Pending, is_loopback
 from kvxfer.wire import (
     MAX_RANKS,
     MAX_REASON_LEN,
@@ -35,8 +45,18 @@ from kvxfer.wire import (
     encode_side,
     peek_hash,
 )
+from kvxfer.wire.auth import (
+    ENV_KEY,
+    SEAL_OVERHEAD,
+    SIDE_REPLY,
+    SIDE_REQUEST,
+    ReplayGuard,
+    Sealer,
+    is_sealed,
+    open_frame,
+)
 
-__all__ = ["RecordSource", "SideChannelServer", "fetch_records"]
+__all__ = ["RecordSource", "SideChannelServer", "fetch_records", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +64,9 @@ RecordSource = Mapping[int, bytes] | Callable[[], Mapping[int, bytes]]
 """Encoded record envelopes by TP rank, or a callable returning them per request."""
 
 _POLL_MS = 50  # how often the server thread checks for stop()
+_BATCH = 256  # requests handled per poll
+_CACHE_BYTES = MAX_SIDE_REPLY_BYTES // 2  # cached encoded replies, all together
+_REFUSAL = encode_side(ErrorReply("unauthorized", "authentication required"))
 
 
 class SideChannelServer:
@@ -53,11 +76,23 @@ class SideChannelServer:
         bind_addr: ZMQ endpoint to bind, e.g. ``tcp://0.0.0.0:5600``; port 0 (or
             ``*``) picks a free port, reported by :attr:`address`.
         records_by_rank: encoded envelopes (from :func:`~kvxfer.wire.encode_record`)
-            by rank, or a callable returning them, called on every request.
+            by rank, or a callable returning them, called on every request. A mapping
+            is taken as fixed (its replies are cached): change it with
+            :meth:`set_records`.
         max_request_bytes: requests larger than this are dropped by ZMQ itself.
+        auth_key: the deployment key; with it only sealed, fresh requests get an answer
+            (see the module docstring). None: plain frames (loopback deployments).
+        identity: the sender name this server seals its replies with.
 
     The server never dies from input: a malformed request gets an ErrorReply with
-    code ``malformed``, a log line and ``num_rejected += 1``.
+    code ``malformed`` (with a key: the fixed refusal), a log line and
+    ``num_rejected += 1``.
+
+    Memory stays bounded under clients that never read: ZMQ queues few requests per
+    peer, a peer with about one large reply still inside ZMQ gets no new one (its
+    request is dropped before any work),
+    and replies in flight are bounded (:class:`~kvxfer.transport.side_limits.Pending`;
+    ``num_dropped`` counts the drops).
     """
 
     def __init__(
@@ -66,8 +101,13 @@ class SideChannelServer:
         records_by_rank: RecordSource,
         *,
         max_request_bytes: int = MAX_SIDE_REQUEST_BYTES,
+        auth_key: bytes | None = None,
+        identity: str = "kvxfer-side-channel",
     ) -> None:
         self._bind_addr = bind_addr
+        self._sealer = None if auth_key is None else Sealer(auth_key, SIDE_REPLY, identity)
+        self._key = auth_key
+        self._guard = ReplayGuard()
         self._records: RecordSource = records_by_rank
         self._max_request_bytes = max_request_bytes
         self._lock = threading.Lock()
@@ -77,6 +117,10 @@ class SideChannelServer:
         self._address = ""
         self.num_served = 0
         self.num_rejected = 0
+        self.num_dropped = 0
+        self._pending = Pending()
+        self._cache: dict[bytes, bytes] = {}  # request body -> encoded reply (static records)
+        self._cache_hit = False
 
     @property
     def address(self) -> str:
@@ -87,6 +131,7 @@ class SideChannelServer:
         """Replace the served records (e.g. after a restart with a new generation)."""
         with self._lock:
             self._records = records_by_rank
+            self._cache = {}
 
     def start(self) -> SideChannelServer:
         """Bind the socket (errors raise here, in the caller) and start the serving thread."""
@@ -99,7 +144,14 @@ class SideChannelServer:
             addr = addr[:-1] + "*"
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes)
+        overhead = 0 if self._key is None else SEAL_OVERHEAD
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes + overhead)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer raises: we count it
+        # a fixed kernel send buffer: a peer that never reads absorbs at most this much
+        # (autotuning would let it take ~4 MiB of replies, each costing us a copy)
+        sock.setsockopt(zmq.SNDBUF, SNDBUF)
         try:
             sock.bind(addr)
         except zmq.ZMQError as e:
@@ -107,6 +159,14 @@ class SideChannelServer:
             raise LayoutError(f"side channel: cannot bind {self._bind_addr!r}: {e}") from None
         self._sock = sock
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self._key is None and not is_loopback(self._bind_addr):
+            log.warning(
+                "side channel %s: bound on a non-loopback address WITHOUT an authentication "
+                "key: anyone who reaches it gets agent metadata and memory addresses (see "
+                "docs/security.md); set EngineConfig.auth_key or %s",
+                self._address,
+                ENV_KEY,
+            )
         # the socket moves to the thread; the thread start is the memory barrier ZMQ needs
         self._thread = threading.Thread(target=self._serve, name="kvxfer-side-channel", daemon=True)
         self._thread.start()
@@ -134,35 +194,108 @@ class SideChannelServer:
             try:
                 if not sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                for _ in range(_BATCH):  # drain without a poll per message
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    try:
+                        self._handle(sock, frames)
+                    except Exception:  # one bad request never stops the server
+                        self._drop("internal error")
+                        log.exception("side channel %s: request failed", self._address)
             except zmq.Again:
                 continue
             except zmq.ZMQError as e:  # the socket is unusable: nothing more to serve
                 log.error("side channel %s: receive failed: %s", self._address, e)
                 return
-            self._handle(sock, frames)
 
     def _handle(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
+        self._cache_hit = False
+        if self._pending.busy(identity):  # it has not taken its last reply: no work for it
+            self._drop("previous reply not read")
+            return
         prefix: list[bytes] = []
         if len(body) == 2 and body[0] == b"":  # REQ clients send an empty delimiter
             prefix, body = [b""], body[1:]
-        reply: ErrorReply | Records
         if len(body) != 1:
-            reply = self._reject(f"expected one frame, got {len(body)}")
+            reject = self._reject(f"expected one frame, got {len(body)}")
+            buf = _REFUSAL if self._key is not None else encode_side(reject)
         else:
-            try:
-                reply = self._answer(body[0])
-            except Exception as e:  # the server must outlive any input or record source
-                log.exception("side channel %s: internal error", self._address)
-                reply = ErrorReply("internal", f"{type(e).__name__}: {e}"[:MAX_REASON_LEN])
+            buf = self._respond(body[0])
+        if not self._pending.admit(identity, buf):
+            self._drop(f"{self._pending.num_bytes} reply bytes in flight")
+            return
+        try:  # zero-copy; the tracker says when ZMQ has handed the reply to the kernel
+            tracker = sock.send_multipart(
+                [identity, *prefix, buf], zmq.NOBLOCK, copy=False, track=True
+            )
+        except zmq.ZMQError as e:  # peer gone or its queue full: drop the reply
+            self._drop(str(e))
+            return
+        if tracker is not None:
+            self._pending.add(identity, tracker, buf)
+        self.num_served += self._cache_hit
+
+    def _drop(self, why: str) -> None:
+        self.num_dropped += 1
+        n = self.num_dropped
+        if n <= 10 or n % 10000 == 0:  # bounded logging under a flood
+            log.warning("side channel %s: reply #%d dropped: %s", self._address, n, why)
+
+    def _respond(self, frame: bytes) -> bytes:
+        """The reply frame to one request frame (sealed, plain, or the fixed refusal)."""
+        if self._key is None or self._sealer is None:
+            if is_sealed(frame):
+                why = "an authenticated request, but this server has no key"
+                return encode_side(ErrorReply("unauthorized", self._reject(why).message))
+            return self._plain_reply(frame)
+        try:
+            opened = open_frame(
+                self._key,
+                frame,
+                SIDE_REQUEST,
+                guard=self._guard,
+                max_bytes=self._max_request_bytes + SEAL_OVERHEAD,
+            )
+        except AuthError as e:
+            self._reject(f"unauthenticated: {e}")  # the detail stays in our log
+            return _REFUSAL
+        return self._sealer.seal(
+            self._encode(self._answer_safe(opened.payload)), context=opened.tag
+        )
+
+    def _plain_reply(self, body: bytes) -> bytes:
+        """The encoded reply to a plain request; cached while the records are a mapping.
+
+        Identical requests then get the very same buffer, which zero-copy sends share
+        (a flood of identical requests costs one reply's memory).
+        """
+        with self._lock:
+            cache, static = self._cache, not callable(self._records)
+        buf = cache.get(body)
+        if buf is None:
+            reply = self._answer_safe(body)
+            buf = self._encode(reply)
+            if static and isinstance(reply, Records) and len(buf) <= _CACHE_BYTES:
+                if len(cache) >= 64 or sum(map(len, cache.values())) + len(buf) > _CACHE_BYTES:
+                    cache.clear()  # bounded: a few distinct requests are all a deployment makes
+                cache[body] = buf
+        else:
+            self._cache_hit = True  # counted as served once it is sent
+        return buf
+
+    def _answer_safe(self, body: bytes) -> ErrorReply | Records:
+        try:
+            return self._answer(body)
+        except Exception as e:  # the server must outlive any input or record source
+            log.exception("side channel %s: internal error", self._address)
+            return ErrorReply("internal", f"{type(e).__name__}: {e}"[:MAX_REASON_LEN])
+
+    @staticmethod
+    def _encode(reply: ErrorReply | Records) -> bytes:
         buf = encode_side(reply)
         if len(buf) > MAX_SIDE_REPLY_BYTES:
             buf = encode_side(ErrorReply("too_large", f"reply of {len(buf)} bytes"))
-        try:
-            sock.send_multipart([identity, *prefix, buf], zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # peer gone or its queue full: drop the reply
-            log.warning("side channel %s: reply dropped: %s", self._address, e)
+        return buf
 
     def _answer(self, body: bytes) -> ErrorReply | Records:
         try:
@@ -198,13 +331,60 @@ class SideChannelServer:
         return ErrorReply("malformed", why[:MAX_REASON_LEN])
 
 
+_CLIENT_SEALERS: dict[bytes, Sealer] = {}
+_CLIENT_LOCK = threading.Lock()
+
+
+def _client_sealer(key: bytes) -> Sealer:
+    """One request sealer per key and process (one replay stream per client process)."""
+    with _CLIENT_LOCK:
+        sealer = _CLIENT_SEALERS.get(key)
+        if sealer is None:
+            if len(_CLIENT_SEALERS) >= 16:
+                _CLIENT_SEALERS.clear()
+            sealer = _CLIENT_SEALERS[key] = Sealer(key, SIDE_REQUEST, f"fetch-{os.getpid()}")
+        return sealer
+
+
+def _open_reply(address: str, frame: bytes, key: bytes | None, request: bytes) -> bytes:
+    """The plain reply bytes of ``frame``; AuthError when the two sides' keys disagree."""
+    if key is None:
+        if is_sealed(frame):
+            raise AuthError(f"side channel {address}: sealed reply to a plain request")
+        return frame
+    if not is_sealed(frame):
+        reply = decode_side(frame, MAX_SIDE_REPLY_BYTES)
+        what = f"{reply.code}: {reply.message}" if isinstance(reply, ErrorReply) else "records"
+        raise AuthError(
+            f"side channel {address}: the server did not authenticate its reply ({what}); "
+            "both sides need the same deployment key"
+        )
+    try:
+        opened = open_frame(
+            key,
+            frame,
+            SIDE_REPLY,
+            context=request[-32:],  # the request's tag: this reply answers this request
+            max_bytes=MAX_SIDE_REPLY_BYTES + SEAL_OVERHEAD,
+        )
+    except AuthError as e:
+        raise AuthError(f"side channel {address}: reply failed authentication: {e}") from None
+    return opened.payload
+
+
 def fetch_records(
-    address: str, ranks: list[int] | None, expected_hash: str, timeout_s: float
+    address: str,
+    ranks: list[int] | None,
+    expected_hash: str,
+    timeout_s: float,
+    *,
+    auth_key: bytes | None = None,
 ) -> list[LayoutRecord]:
     """Fetch and decode the handshake records of ``ranks`` (None: all) from ``address``.
 
     Uses a fresh DEALER socket per call, so it is thread-safe; never blocks past
-    ``timeout_s``.
+    ``timeout_s``. With ``auth_key`` the request is sealed and only a reply sealed
+    for it is accepted.
 
     Returns:
         The decoded records, in the order of ``ranks`` (by rank when None).
@@ -213,16 +393,20 @@ def fetch_records(
         PeerLostError: no reply within ``timeout_s`` (the message names both).
         IncompatibleError: the server or a record has another compat hash.
         ProtocolError: the reply or a record is malformed, or the server refused.
+        AuthError: the server requires a key and none was given, or its reply is not
+            authenticated with ours (a ProtocolError).
         LayoutError: ``address`` is not a valid ZMQ endpoint.
     """
     deadline = time.monotonic() + timeout_s
     if ranks is not None and (len(ranks) > MAX_RANKS or any(not 0 <= r < 1 << 32 for r in ranks)):
         raise LayoutError(f"ranks must be at most {MAX_RANKS} ints in [0, 2**32), got {ranks}")
     request = encode_side(GetRecords(None if ranks is None else tuple(ranks), expected_hash))
+    if auth_key is not None:
+        request = _client_sealer(auth_key).seal(request)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_REPLY_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_REPLY_BYTES + SEAL_OVERHEAD)
         try:
             sock.connect(address)
         except zmq.ZMQError as e:
@@ -240,9 +424,15 @@ def fetch_records(
         sock.close(linger=0)
     if len(frames) != 1:
         raise ProtocolError(f"side channel {address}: expected one reply frame, got {len(frames)}")
-    reply = decode_side(frames[0], MAX_SIDE_REPLY_BYTES)
+    reply = decode_side(_open_reply(address, frames[0], auth_key, request), MAX_SIDE_REPLY_BYTES)
     if isinstance(reply, ErrorReply):
+        if reply.code == "unauthorized" and auth_key is None:
+            raise AuthError(
+                f"side channel {address}: the server requires authentication: configure "
+                f"the deployment key (EngineConfig.auth_key or {ENV_KEY})"
+            )
         cls = IncompatibleError if reply.code == "incompatible" else ProtocolError
+        cls = AuthError if reply.code == "unauthorized" else cls
         raise cls(f"side channel {address}: {reply.code}: {reply.message}")
     if not isinstance(reply, Records):
         raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")

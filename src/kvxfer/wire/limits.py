@@ -44,13 +44,16 @@ MAX_REQUEST_ID_LEN = 200
 MAX_REASON_LEN = 1024
 MAX_LEASE_IDS = 256
 MAX_PUSH_IDS = 4096  # block ids per list in one PushRequest (fits MAX_MSG_BYTES)
+MAX_BLOCK_ID = 1 << 40  # a logical block id on the wire (PushRequest.BlockIds)
+MAX_SMALL_INT = 1 << 32  # SmallInt: sizes, ranks, counts of heads, layers...
+MAX_U64 = (1 << 64) - 1  # U64: addresses, byte sizes, generations
 MAX_MSG_BYTES = 64 << 10  # one notification / control message
 MAX_RANKS = 4096  # ranks named in one side-channel request or reply
 MAX_SIDE_REQUEST_BYTES = 64 << 10
 MAX_SIDE_REPLY_BYTES = 64 << 20
 
 U64 = Annotated[int, Meta(ge=0)]  # msgpack cannot carry more than 2**64 - 1
-SmallInt = Annotated[int, Meta(ge=0, le=1 << 32)]
+SmallInt = Annotated[int, Meta(ge=0, le=MAX_SMALL_INT)]
 Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
 HashStr = Annotated[str, Meta(max_length=MAX_HASH_LEN)]

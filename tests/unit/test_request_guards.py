@@ -1,0 +1,80 @@
+"""plan_request refuses requests that would move bytes wrongly: duplicate local ids, int32 wrap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvxfer.errors import LayoutError
+from kvxfer.layout.model import CacheLayout, Region, View
+from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.planning.pairing import PeerPlan, pair_layouts
+from kvxfer.planning.request import plan_request
+
+
+def build(spec: LayoutSpec, base: int) -> CacheLayout:
+    return spec.build([base + i * (1 << 32) for i in range(len(spec.region_bytes()))])
+
+
+def peer(spec: LayoutSpec) -> PeerPlan:
+    return pair_layouts(build(spec, 1 << 40), {0: build(spec, 1 << 44)})
+
+
+KV = LayoutSpec(AttnKind.SPLIT_KV, 1, 8, 4, 4, 8)
+HYBRID = LayoutSpec(AttnKind.BLOCKS_FIRST, 1, 10, 16, 2, 8, 2, state=StateSpec(1, (32,), 4, 256))
+
+
+@pytest.mark.parametrize(
+    ("lids", "rids", "match"),
+    [
+        ([3, 3], [1, 2], r"local_block_ids: block 3 given twice"),
+        ([0, 5, 7, 5], [1, 2, 3, 4], r"local_block_ids: block 5 given twice"),
+    ],
+)
+def test_duplicate_local_ids_refused(lids: list[int], rids: list[int], match: str) -> None:
+    with pytest.raises(LayoutError, match=match):
+        plan_request(peer(KV), lids, rids)
+
+
+def test_duplicate_local_id_in_cached_prefix_refused() -> None:
+    # block 3 is cached (not written) and also written: the cached bytes would be clobbered
+    with pytest.raises(LayoutError, match="local_block_ids: block 3 given twice"):
+        plan_request(peer(KV), [3, 4, 3], [1, 2, 5], num_cached_blocks=1)
+
+
+def test_duplicate_local_state_ids_refused() -> None:
+    with pytest.raises(LayoutError, match="local_state_ids: block 6 given twice"):
+        plan_request(peer(HYBRID), [1, 2], [3, 4], local_state_ids=[6, 6], remote_state_ids=[7, 8])
+
+
+def test_duplicate_remote_ids_read_the_same_block_twice() -> None:
+    # legitimate: reading one remote block into two local blocks writes each local byte once
+    req = plan_request(peer(KV), [1, 2], [5, 5])
+    (src,) = req.sources
+    assert src.local_ids.tolist() == [1, 2, 9, 10]
+    assert src.remote_ids.tolist() == [5, 5, 13, 13]
+
+
+def huge_peer() -> PeerPlan:
+    """Three views of 2**30 one-byte blocks: a 3 x 2**30-descriptor list (no memory)."""
+    n = 1 << 30
+
+    def lay(base: int) -> CacheLayout:
+        regions = tuple(Region(base + i * (1 << 32), n) for i in range(3))
+        views = tuple(View(i, 0, 1, 1, n) for i in range(3))
+        return CacheLayout(regions, views, block_size=1, num_kv_heads=1, head_dim=1, dtype_bytes=1)
+
+    return pair_layouts(lay(1 << 40), {0: lay(1 << 44)})
+
+
+def test_descriptor_ids_past_int32_refused() -> None:
+    p = huge_peer()
+    # view 2 starts at 2**31: any block of it has an index NIXL's int32 cannot carry
+    with pytest.raises(LayoutError, match=r"descriptor index 2147483653 .*int32"):
+        plan_request(p, [5], [5])
+
+
+def test_descriptor_ids_below_int32_still_planned_on_big_lists() -> None:
+    p = huge_peer()
+    small = plan_request(p, np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+    assert small.num_descriptors == 0
