@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.errors import (
+    AuthError,
     BackendUnavailableError,
     ConfigError,
     DeadlineError,
@@ -69,6 +70,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "PRESETS",
     "AttnKind",
+    "AuthError",
     "BackendUnavailableError",
     "CacheLayout",
     "ConfigError",
