@@ -13,11 +13,14 @@ already catches ``ValueError`` keeps working.
     +-- TransferError                 NIXL reported a failure for a transfer
     |   +-- PeerLostError             the peer died or restarted (stale generation)
     +-- DeadlineError(TimeoutError)   a request passed its deadline
+    +-- WaitTimeout(TimeoutError)     the caller's own wait ran out; the request goes on
+    +-- ClosedError(RuntimeError)     the engine was closed: a usage error, not a fault
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ClosedError",
     "DeadlineError",
     "IncompatibleError",
     "KvxferError",
@@ -25,6 +28,7 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "TransferError",
+    "WaitTimeout",
 ]
 
 
@@ -54,3 +58,12 @@ class PeerLostError(TransferError):
 
 class DeadlineError(KvxferError, TimeoutError):
     """A request did not complete before its deadline."""
+
+
+class WaitTimeout(KvxferError, TimeoutError):
+    """A caller's wait (``result(timeout_s)``) ran out; the request itself is still live."""
+
+
+class ClosedError(KvxferError, RuntimeError):
+    """The engine was closed: new requests are refused (a usage error, distinct from a
+    transfer that broke)."""

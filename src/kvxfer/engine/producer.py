@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvxfer.engine.config import U8, EngineConfig
+from kvxfer.engine.config import U8, EngineConfig, check_seconds
 from kvxfer.engine.leases import FreeReason, LeaseTable
 from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import RankCache, encode_records, new_generation
@@ -39,6 +39,11 @@ class Producer:
     Blocks of a request are held from :meth:`hold` until every expected consumer has
     read them (a ``ReadDone`` notification per consumer rank), a consumer aborts, or
     the lease expires; :meth:`pop_freed` reports released requests.
+
+    Thread-safety: :meth:`hold`, :meth:`pop_freed`, :attr:`held_blocks` and
+    :meth:`close` may be called from any thread (the lease tables are under one lock).
+    The engine thread alone drains notifications; the push thread alone posts, polls
+    and releases WRITEs (see docs/architecture.md, "Threads and locks").
     """
 
     def __init__(
@@ -46,6 +51,7 @@ class Producer:
     ) -> None:
         if not ranks:
             raise LayoutError("a producer needs at least one rank")
+        config.check()
         self.config = config
         self.generation = new_generation()
         self.compat_hash = config.compat_hash(ranks[0][0])
@@ -61,6 +67,7 @@ class Producer:
             self._pending_free: dict[str, set[int]] = {}
             self._freed: list[tuple[str, FreeReason]] = []
             self.num_rejected = 0
+            self.num_errors = 0
             records = encode_records(self.ranks, self.generation, self.compat_hash)
             self.server = SideChannelServer(config.side_channel_addr, records).start()
             self._pusher = PushWorker(
@@ -91,6 +98,8 @@ class Producer:
 
     def hold(self, request_id: str, num_blocks: int, lease_s: float | None = None) -> None:
         """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired."""
+        if lease_s is not None:
+            check_seconds("lease_s", lease_s)
         now = time.monotonic()
         with self._lock:
             for t in self._tables.values():
@@ -111,16 +120,24 @@ class Producer:
                 except KvxferError as e:
                     log.warning("rank %d: notifications failed: %s", r.rank, e)
                     continue
-                for msgs in notifs.values():
+                for agent, msgs in notifs.items():
                     for raw in msgs:
-                        self._on_msg(r.rank, raw)
+                        try:
+                            self._on_msg(r.rank, agent, raw)
+                        except Exception as e:  # one bad notice never stops the engine
+                            self._log_error("notification", e)
             with self._lock:
                 now = time.monotonic()
                 for t in self._tables.values():
                     t.expire(now)
                 self._collect()
 
-    def _on_msg(self, rank: int, raw: bytes) -> None:
+    def _log_error(self, what: str, e: Exception) -> None:
+        self.num_errors += 1
+        if self.num_errors == 1:  # logged once (with its traceback), then counted
+            log.exception("%s handling failed (logged once, counted after): %s", what, e)
+
+    def _on_msg(self, rank: int, agent: str, raw: bytes) -> None:
         try:
             msg = decode_msg(raw)
         except KvxferError as e:
@@ -142,8 +159,12 @@ class Producer:
                 )
             elif isinstance(msg, Abort | Failed):
                 table.abort(msg.request_id)
+                self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
             elif isinstance(msg, PushRequest):
-                self._pusher.submit(rank, msg)
+                # the local deadline: the relative budget bounds it; time the message
+                # spent queued (by the sender's wall clock) can only shorten it
+                queued_s = max(0.0, (time.time_ns() - msg.sent_at_ns) / 1e9)
+                self._pusher.submit(rank, agent, msg, now + msg.budget_ms / 1e3 - queued_s)
             elif isinstance(msg, LeaseRenew):
                 for rid in msg.request_ids:
                     table.renew(rid, now)
