@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -269,3 +270,17 @@ def test_heap_stays_bounded_under_extending_renewals() -> None:
     assert t.expire(now=20.0 + 9.99) == []
     assert sorted(t.expire(now=30.0)) == [f"r{i}" for i in range(10)]
     assert t.held_blocks == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_lease_seconds_validated(bad: float) -> None:
+    """Issue 9 item 9: one NaN lease used to stop every later lease in the table expiring."""
+    with pytest.raises(ValueError, match="lease_s"):
+        LeaseTable(bad)
+    t = LeaseTable(1.0)
+    with pytest.raises(ValueError, match="lease_s"):
+        t.hold("a", 1, 0.0, bad)
+    t.hold("b", 1, 0.0)
+    with pytest.raises(ValueError, match="lease_s"):
+        t.renew("b", 0.5, bad)
+    assert t.expire(2.0) == ["b"]

@@ -12,6 +12,7 @@ import heapq
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvxfer.engine.config import check_seconds
 from kvxfer.errors import LayoutError
 
 __all__ = ["FreeReason", "LeaseTable"]
@@ -36,9 +37,7 @@ class LeaseTable:
     """Requests held by one producer rank. Times are caller-supplied seconds (monotonic)."""
 
     def __init__(self, default_lease_s: float = 30.0) -> None:
-        if default_lease_s <= 0:
-            raise LayoutError(f"default_lease_s must be > 0, got {default_lease_s}")
-        self.default_lease_s = default_lease_s
+        self.default_lease_s = check_seconds("lease_s (default)", default_lease_s)
         self._entries: dict[str, _Entry] = {}
         self._heap: list[tuple[float, int, str]] = []  # (expires_at, seq, request_id)
         self._seq = 0
@@ -76,7 +75,11 @@ class LeaseTable:
             raise LayoutError(f"request {request_id!r} is already held")
         if num_blocks < 0:
             raise LayoutError(f"num_blocks must be >= 0, got {num_blocks}")
-        expires = now + (self.default_lease_s if lease_s is None else lease_s)
+        expires = now + (
+            self.default_lease_s
+            if lease_s is None
+            else check_seconds("lease_s", lease_s, allow_zero=True)
+        )
         self._entries[request_id] = _Entry(num_blocks, expires)
         self._push(request_id, expires)
 
@@ -98,6 +101,8 @@ class LeaseTable:
 
     def renew(self, request_id: str, now: float, lease_s: float | None = None) -> bool:
         """Extend a held request's lease to ``now + lease_s``; False if it is not held."""
+        if lease_s is not None:
+            check_seconds("lease_s", lease_s, allow_zero=True)
         entry = self._entries.get(request_id)
         if entry is None:
             return False
