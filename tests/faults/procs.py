@@ -94,9 +94,8 @@ def _producer_main(conn: Connection, opts: dict[str, Any]) -> None:
                 return
             op = cmd[0]
             if op == "hold":
-                for rid, n in cmd[1]:
-                    prod.hold(rid, n, cmd[2])
-                conn.send(("ok",))
+                leases = [prod.hold(rid, n, cmd[2]) for rid, n in cmd[1]]
+                conn.send(("ok", [getattr(x, "expires_at_ns", None) for x in leases]))
             elif op == "stats":
                 conn.send(("stats", _stats(prod, freed)))
             elif op in ("wait_free", "stop"):
@@ -174,10 +173,11 @@ class ProducerProc:
         assert msg[0] == want, msg
         return msg
 
-    def hold(self, items: Iterable[tuple[str, int]], lease_s: float | None = None) -> None:
-        """Hold requests ``(request_id, num_blocks)``; returns once the producer did."""
+    def hold(self, items: Iterable[tuple[str, int]], lease_s: float | None = None) -> list[Any]:
+        """Hold requests ``(request_id, num_blocks)``; returns once the producer did, with
+        each lease's end (``Lease.expires_at_ns``, producer wall clock)."""
         self.conn.send(("hold", list(items), lease_s))
-        self._reply(REPLY_TIMEOUT_S, "ok")
+        return list(self._reply(REPLY_TIMEOUT_S, "ok")[1])
 
     def stats(self) -> dict[str, Any]:
         self.conn.send(("stats",))
