@@ -12,6 +12,7 @@ already catches ``ValueError`` keeps working.
     +-- ProtocolError(ValueError)     a message from a peer failed to decode/validate
     +-- TransferError                 NIXL reported a failure for a transfer
     |   +-- PeerLostError             the peer died or restarted (stale generation)
+    |   +-- LeaseExpiredError         the producer's lease on the blocks ended before the read
     +-- DeadlineError(TimeoutError)   a request passed its deadline
     +-- WaitTimeout(TimeoutError)     the caller's own wait ran out; the request goes on
     +-- ClosedError(RuntimeError)     the engine was closed: a usage error, not a fault
@@ -25,6 +26,7 @@ __all__ = [
     "IncompatibleError",
     "KvxferError",
     "LayoutError",
+    "LeaseExpiredError",
     "PeerLostError",
     "ProtocolError",
     "TransferError",
@@ -54,6 +56,11 @@ class TransferError(KvxferError):
 
 class PeerLostError(TransferError):
     """The peer disconnected, died or restarted; its old handles are invalid."""
+
+
+class LeaseExpiredError(TransferError):
+    """The producer's lease on a request's blocks ended (or nearly): they may belong to
+    another request now, so they are not read."""
 
 
 class DeadlineError(KvxferError, TimeoutError):

@@ -80,6 +80,8 @@ class EngineConfig:
             one); set it when binding a wildcard such as ``tcp://0.0.0.0:5601``.
         backend_params: extra NIXL UCX backend parameters (UCX also reads ``UCX_*``
             environment variables).
+        lease_margin_s: safety margin around a lease's end: a consumer does not post a
+            READ within it before the end, a producer frees only this long after it.
         max_run_blocks: longest run of blocks (contiguous on both sides) moved by one
             descriptor (run rows, strided lists only; 1 disables coalescing).
     """
@@ -97,12 +99,14 @@ class EngineConfig:
     heartbeat_s: float = 1.0
     advertise_addr: str | None = None
     backend_params: tuple[tuple[str, str], ...] = ()
+    lease_margin_s: float = 0.5
     max_run_blocks: int = 1  # measured: NIXL 1.5 merges dense consecutive indices itself
 
     def check(self) -> None:
         """Raise LayoutError naming the first setting that is not a valid number."""
         for name in ("deadline_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):
             check_seconds(name, getattr(self, name))
+        check_seconds("lease_margin_s", self.lease_margin_s, allow_zero=True)
 
     @property
     def run_blocks(self) -> int:

@@ -27,6 +27,7 @@ from kvxfer.errors import (
     DeadlineError,
     KvxferError,
     LayoutError,
+    LeaseExpiredError,
     PeerLostError,
     TransferError,
 )
@@ -259,6 +260,7 @@ class Consumer:
         ranks: Sequence[int] | None = None,
         deadline_s: float | None = None,
         generation: int | Mapping[int, int] | None = None,
+        lease_expires_at_ns: int | None = None,
     ) -> Transfer:
         """Start reading a request's blocks from the producer at ``address`` (pull mode).
 
@@ -270,12 +272,18 @@ class Consumer:
         processes) pins the request to that incarnation: after a producer restart it
         ends PEER_LOST instead of reading another process's blocks. ``address`` is one
         side-channel endpoint, or several separated by commas when the producer's
-        ranks live in several processes (one endpoint each).
+        ranks live in several processes (one endpoint each). ``lease_expires_at_ns``
+        (:attr:`~kvxfer.engine.leases.Lease.expires_at_ns` from the producer's ``hold``):
+        the READ is never posted within ``lease_margin_s`` of it (the request ends
+        FAILED with :class:`~kvxfer.errors.LeaseExpiredError`), and posting it asks the
+        producer to extend the lease over the request's deadline.
         """
-        return self._request(
+        t = self._request(
             XferOp.READ, request_id, address, local_block_ids, remote_block_ids,
             local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s, generation,
         )  # fmt: skip
+        t.lease_expires_at_ns = lease_expires_at_ns
+        return t
 
     def push(
         self,
@@ -375,6 +383,12 @@ class Consumer:
                         f"request {t.request_id!r} was prefilled by generation {t.generation}; "
                         f"{t.peer.address} now runs {t.peer.generations}"
                     )
+                if t.lease_expires_at_ns is not None and time.time_ns() >= (
+                    t.lease_expires_at_ns - int(self.config.lease_margin_s * 1e9)
+                ):
+                    raise LeaseExpiredError(
+                        f"request {t.request_id!r}: the producer's lease ended; not read"
+                    )
                 self._post(t)
             if t.op is XferOp.WRITE:
                 done, reason, _ = self._inbox.status(t)
@@ -399,14 +413,17 @@ class Consumer:
             self._fail(t, e)
         return t.state
 
-    def _renew(self, t: Transfer) -> None:
-        """Renew the producer's lease on a request still in flight, every heartbeat_s."""
+    def _renew(self, t: Transfer, force: bool = False) -> None:
+        """Renew the producer's lease on a request still in flight (every heartbeat_s), to
+        cover what is left of the request's deadline."""
         now = time.perf_counter()
-        if now - max(t.posted_at, t.renewed_at) < self.config.heartbeat_s:
+        if not force and now - max(t.posted_at, t.renewed_at) < self.config.heartbeat_s:
             return
         t.renewed_at = now
+        budget_ms = max(0, int((t.deadline - time.monotonic()) * 1000))
         for rank, agent in t.peer.agents.items():
-            msg = encode_msg(LeaseRenew((t.request_id,), t.peer.generations[rank], (t.attempt,)))
+            gen = t.peer.generations[rank]
+            msg = encode_msg(LeaseRenew((t.request_id,), gen, (t.attempt,), budget_ms))
             for d in t.ranks:
                 self.ranks[d].backend.send_notif(agent, msg)
 
@@ -416,6 +433,7 @@ class Consumer:
         if t.op is XferOp.WRITE:
             self._post_push(t)
             return
+        self._renew(t, force=True)  # first: the producer's lease now covers the deadline
         for d in t.ranks:
             plan = peer.plans[d]
             req = plan_request(plan, t.local_ids, t.remote_ids, **t.kwargs)  # type: ignore[arg-type]

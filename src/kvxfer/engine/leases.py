@@ -15,7 +15,7 @@ from enum import Enum
 from kvxfer.engine.config import check_seconds
 from kvxfer.errors import LayoutError
 
-__all__ = ["FreeReason", "LeaseTable"]
+__all__ = ["FreeReason", "Lease", "LeaseTable"]
 
 
 class FreeReason(str, Enum):
@@ -24,6 +24,25 @@ class FreeReason(str, Enum):
     READ = "read"  # every expected consumer read (or was told about) the request
     ABORTED = "aborted"  # a consumer aborted, failed or timed out
     EXPIRED = "expired"  # the lease ran out
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What :meth:`kvxfer.engine.producer.Producer.hold` returns: pass ``expires_at_ns``
+    to the consumer's ``read(..., lease_expires_at_ns=)`` (with the block ids).
+
+    Attributes:
+        request_id: the held request.
+        expires_at_ns: when the lease ends, producer wall clock (``time.time_ns()``).
+            The consumer refuses to post within ``lease_margin_s`` of it and the
+            producer frees only ``lease_margin_s`` after it, so clocks may differ by up
+            to the margin (NTP keeps hosts far closer).
+        generation: the producer's incarnation (pass it as ``read(generation=)``).
+    """
+
+    request_id: str
+    expires_at_ns: int
+    generation: int
 
 
 @dataclass(slots=True)

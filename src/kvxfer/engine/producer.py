@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 
 from kvxfer.engine.config import U8, EngineConfig, check_seconds
-from kvxfer.engine.leases import FreeReason, LeaseTable
+from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import RankCache, encode_records, new_generation
 from kvxfer.errors import KvxferError, LayoutError
@@ -96,15 +96,20 @@ class Producer:
         with self._lock:
             return sum(t.held_blocks for t in self._tables.values())
 
-    def hold(self, request_id: str, num_blocks: int, lease_s: float | None = None) -> None:
-        """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired."""
-        if lease_s is not None:
-            check_seconds("lease_s", lease_s)
-        now = time.monotonic()
+    def hold(self, request_id: str, num_blocks: int, lease_s: float | None = None) -> Lease:
+        """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired.
+
+        Returns:
+            The lease: hand ``expires_at_ns`` (and ``generation``) to the consumer with
+            the block ids, so it never reads after the lease ended.
+        """
+        lease = self.config.lease_s if lease_s is None else check_seconds("lease_s", lease_s)
+        now, wall_ns = time.monotonic(), time.time_ns()
         with self._lock:
             for t in self._tables.values():
-                t.hold(request_id, num_blocks, now, lease_s)
+                t.hold(request_id, num_blocks, now, lease)
             self._pending_free[request_id] = set()
+        return Lease(request_id, wall_ns + int(lease * 1e9), self.generation)
 
     def pop_freed(self) -> list[tuple[str, FreeReason]]:
         """Requests released on every rank since the last call: the caller frees their blocks."""
@@ -128,8 +133,8 @@ class Producer:
                             self._log_error("notification", e)
             with self._lock:
                 now = time.monotonic()
-                for t in self._tables.values():
-                    t.expire(now)
+                for t in self._tables.values():  # the margin covers clock skew and latency
+                    t.expire(now - self.config.lease_margin_s)
                 self._collect()
 
     def _log_error(self, what: str, e: Exception) -> None:
@@ -166,8 +171,9 @@ class Producer:
                 queued_s = max(0.0, (time.time_ns() - msg.sent_at_ns) / 1e9)
                 self._pusher.submit(rank, agent, msg, now + msg.budget_ms / 1e3 - queued_s)
             elif isinstance(msg, LeaseRenew):
+                lease = max(self.config.lease_s, msg.budget_ms / 1e3)  # covers the deadline
                 for rid in msg.request_ids:
-                    table.renew(rid, now)
+                    table.renew(rid, now, lease)
             elif not isinstance(msg, Heartbeat):
                 self.num_rejected += 1
 

@@ -112,6 +112,7 @@ class Transfer:
     written: set[tuple[int, int]] = field(default_factory=set)  # push: WriteDone seen
     settled: set[tuple[int, int]] = field(default_factory=set)  # push: Cancelled seen
     failed_reason: str | None = None  # push: the producer's Failed notice
+    lease_expires_at_ns: int | None = None  # pull: the producer's lease end (its wall clock)
     quarantine_until: float = 0.0  # push: monotonic bound of the quarantine (see RequestState)
 
     @property

@@ -83,6 +83,7 @@ class LeaseRenew(_Msg, frozen=True, tag="lr"):
     request_ids: Annotated[tuple[RequestId, ...], Meta(max_length=MAX_LEASE_IDS)]
     generation: U64
     attempts: Annotated[tuple[U64, ...], Meta(max_length=MAX_LEASE_IDS)] = ()  # per request id
+    budget_ms: U64 = 0  # > 0: extend to cover this much more (the request's deadline)
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
