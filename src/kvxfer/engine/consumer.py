@@ -12,6 +12,8 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -374,15 +376,8 @@ class Consumer:
                 if t.peer.error is not None:
                     raise t.peer.error
                 if t.generation is not None and not _pinned_ok(t.generation, t.peer.generations):
-                    if not t.rechecked:  # maybe a restart we have not noticed yet: ask again
-                        t.rechecked = True
-                        self._drop_peer(t.peer)
-                        t.peer = self._peer(t.peer.address)
-                        return t.state
-                    raise PeerLostError(
-                        f"request {t.request_id!r} was prefilled by generation {t.generation}; "
-                        f"{t.peer.address} now runs {t.peer.generations}"
-                    )
+                    self._recheck(t)  # raises, or re-handshakes a restarted producer
+                    return t.state
                 if t.lease_expires_at_ns is not None and time.time_ns() >= (
                     t.lease_expires_at_ns - int(self.config.lease_margin_s * 1e9)
                 ):
@@ -412,6 +407,58 @@ class Consumer:
         except KvxferError as e:
             self._fail(t, e)
         return t.state
+
+    def _recheck(self, t: Transfer) -> None:
+        """A request pinned to another generation than the peer's: refetch the producer's
+        records (in a thread) and compare before dropping anything. Same generations as
+        known: the pin is wrong, only this request fails (the peer stays, so concurrent
+        reads that pinned the right generation go on). Changed: the producer restarted
+        unnoticed, so the peer is dropped and contacted again (once per request)."""
+        if t.rechecked:  # already re-handshaken for this request: the pin is wrong
+            self._wrong_pin(t)
+        if t.recheck is None:
+            t.recheck = Future()
+            threading.Thread(
+                target=self._fetch_generations, args=(t.peer, t.recheck), daemon=True,
+                name="kvxfer-recheck",
+            ).start()  # fmt: skip
+            return
+        if not t.recheck.done():
+            return
+        try:
+            now = t.recheck.result()
+        except KvxferError as e:
+            t.keep_peer = True  # the heartbeat decides about the peer, not this request
+            raise PeerLostError(
+                f"request {t.request_id!r}: rechecking {t.peer.address}: {e}"
+            ) from e
+        if now == t.peer.generations:
+            self._wrong_pin(t)
+        t.rechecked = True
+        self._drop_peer(t.peer)
+        t.peer = self._peer(t.peer.address)
+
+    def _wrong_pin(self, t: Transfer) -> NoReturn:
+        t.keep_peer = True
+        raise PeerLostError(
+            f"request {t.request_id!r} was prefilled by generation {t.generation}; "
+            f"{t.peer.address} runs {t.peer.generations}"
+        )
+
+    def _fetch_generations(self, peer: PeerInfo, out: Future[dict[int, int]]) -> None:
+        try:
+            recs = [
+                r
+                for ep in peer.endpoints
+                for r in fetch_records(ep, None, self.compat_hash, self.config.handshake_timeout_s)
+            ]
+            out.set_result({r.tp_rank: r.generation for r in recs})
+        except KvxferError as e:
+            out.set_exception(e)
+        except Exception as e:  # typed, chained
+            err = PeerLostError(f"{peer.address}: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            out.set_exception(err)
 
     def _renew(self, t: Transfer, force: bool = False) -> None:
         """Renew the producer's lease on a request still in flight (every heartbeat_s), to
@@ -509,7 +556,8 @@ class Consumer:
         t.finished_at = time.perf_counter()
         if isinstance(error, PeerLostError):
             t.state = RequestState.PEER_LOST
-            self._drop_peer(t.peer)
+            if not t.keep_peer:
+                self._drop_peer(t.peer)
             return
         if isinstance(error, ClosedError):
             t.state = RequestState.ABORTED

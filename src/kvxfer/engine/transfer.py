@@ -7,6 +7,7 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -108,6 +109,8 @@ class Transfer:
     expected: set[tuple[int, int]] = field(default_factory=set)  # push: (local, producer rank)
     generation: int | Mapping[int, int] | None = None  # the producer incarnation(s) holding it
     rechecked: bool = False
+    recheck: Future[dict[int, int]] | None = None  # refetched generations (wrong pin?)
+    keep_peer: bool = False  # a failure of this request alone: do not drop the peer
     attempt: int = field(default_factory=new_attempt)
     written: set[tuple[int, int]] = field(default_factory=set)  # push: WriteDone seen
     settled: set[tuple[int, int]] = field(default_factory=set)  # push: Cancelled seen
