@@ -243,6 +243,7 @@ def make_consumer(
     deadline_s: float = 30.0,
     handshake_timeout_s: float = 5.0,
     heartbeat_s: float = 1.0,
+    side_channel_addr: str = "tcp://127.0.0.1:0",
 ) -> tuple[Any, list[tuple[LayoutSpec, list[Any]]]]:
     """A :class:`kvxfer.engine.consumer.Consumer` over zeroed buffers; returns it and its ranks."""
     from kvxfer.engine.consumer import Consumer
@@ -257,6 +258,7 @@ def make_consumer(
         deadline_s=deadline_s,
         handshake_timeout_s=handshake_timeout_s,
         heartbeat_s=heartbeat_s,
+        side_channel_addr=side_channel_addr,
     )
     return Consumer(cfg, ranks), ranks
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvxfer.engine.config import RequestState
 
-from .procs import clear, ids, make_consumer, verify, wait_all
+from .procs import clear, free_port, ids, make_consumer, verify, wait_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -93,3 +93,18 @@ def test_retry_not_completed_by_stale_write_done(spawn, closing) -> None:  # typ
         assert _landed(ranks, [10, 11]) == 0
     finally:
         a.signal(signal.SIGCONT)
+
+
+def test_restarted_consumer_at_same_address_gets_pushes(spawn, closing) -> None:  # type: ignore[no-untyped-def]
+    """Item 8: the producer keys consumer peers by generation, not by address alone."""
+    a = spawn(engine_id="pa", num_blocks=64).start()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    first, ranks = make_consumer("tiny-gqa", 64, handshake_timeout_s=2.0, side_channel_addr=addr)
+    _warm(first, a, ranks)
+    first.close()
+    cons, ranks = make_consumer("tiny-gqa", 64, handshake_timeout_s=2.0, side_channel_addr=addr)
+    closing(cons)
+    t = cons.push("again", a.address, local_block_ids=ids(2, 3), remote_block_ids=ids(7, 8),
+                  deadline_s=5.0)  # fmt: skip
+    assert t.wait(10) is RequestState.DONE, (t.state, t.error)
+    assert verify(ranks, a.remote_spec(), ids(2, 3), ids(7, 8)) == 0

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from kvxfer.engine.rank import RankCache
-from kvxfer.errors import KvxferError, TransferError
+from kvxfer.errors import KvxferError, PeerLostError, TransferError
 from kvxfer.planning.pairing import PeerPlan, pair_layouts
 from kvxfer.planning.request import plan_request
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp, XferState
@@ -329,6 +329,14 @@ class PushWorker:
         self._writes = [j for j in self._writes if j is not job]
         req = job.req
         log.warning("push %s from rank %d failed: %s", req.request_id, job.rank, error)
+        peer = self._peers.get(req.consumer_address)
+        if (
+            isinstance(error, PeerLostError)
+            and peer is not None
+            and job.sender in peer.agents.values()
+        ):
+            self._drop(req.consumer_address)  # disconnected: forget it (no leak, no stale agent)
+            return
         if not job.sender:
             return  # the consumer is unknown: it learns by its deadline
         reason = f"{type(error).__name__}: {error}"[:1000]
