@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvxfer.engine.config import RequestState
+from kvxfer.wire import PushRequest, encode_msg
 
 from .procs import clear, free_port, ids, make_consumer, verify, wait_all
 
@@ -108,3 +109,29 @@ def test_restarted_consumer_at_same_address_gets_pushes(spawn, closing) -> None:
                   deadline_s=5.0)  # fmt: skip
     assert t.wait(10) is RequestState.DONE, (t.state, t.error)
     assert verify(ranks, a.remote_spec(), ids(2, 3), ids(7, 8)) == 0
+
+
+def test_silent_consumer_address_does_not_stall_pushes(spawn, closing) -> None:  # type: ignore[no-untyped-def]
+    """Item 11: push requests naming a silent address (a records fetch that only times
+    out) do not delay a genuine push: fetches run off the push thread."""
+    a = spawn(engine_id="pa", num_blocks=64).start()
+    cons, ranks = make_consumer("tiny-gqa", 64, handshake_timeout_s=2.0)
+    closing(cons)
+    _warm(cons, a, ranks)
+    peer, backend = cons._peers[a.address], cons.ranks[0].backend
+    for i in range(4):  # the producer's records fetch to each waits its full 5 s timeout
+        silent = f"tcp://127.0.0.1:{free_port()}"
+        kw = {"attempt": i + 1, "budget_ms": 30000, "sent_at_ns": time.time_ns()}
+        if "attempt" not in PushRequest.__struct_fields__:  # schema 1 (before the fix)
+            kw = {}
+        bad = PushRequest(f"f{i}", peer.generations[0], silent, 0, 1, (2,), (3,), **kw)
+        backend.send_notif(peer.agents[0], encode_msg(bad))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    t = cons.push("genuine", a.address, local_block_ids=ids(4, 5), remote_block_ids=ids(9, 10),
+                  deadline_s=4.0)  # fmt: skip
+    state = t.wait(10)
+    print(f"[measure] genuine push behind 4 silent fetches: {state.value} after "
+          f"{time.monotonic() - t0:.3f} s")  # fmt: skip
+    assert state is RequestState.DONE, (t.state, t.error)
+    assert verify(ranks, a.remote_spec(), ids(4, 5), ids(9, 10)) == 0
