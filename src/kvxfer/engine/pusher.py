@@ -34,7 +34,14 @@ from kvxfer.planning.pairing import PeerPlan, pair_layouts
 from kvxfer.planning.request import plan_request
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp, XferState
 from kvxfer.transport.side_channel import fetch_records
-from kvxfer.wire import Failed, PushRequest, WriteDone, encode_msg, layout_from_record
+from kvxfer.wire import (
+    Failed,
+    LayoutRecord,
+    PushRequest,
+    WriteDone,
+    encode_msg,
+    layout_from_record,
+)
 from kvxfer.wire.messages import Cancelled
 
 __all__ = ["PushWorker"]
@@ -43,6 +50,8 @@ log = logging.getLogger(__name__)
 
 
 MAX_CANCELLED = 4096  # remembered cancelled attempts (a bounded LRU)
+MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived thread)
+MAX_PARKED = 256  # pushes waiting for one consumer's records
 
 
 @dataclass(slots=True)
@@ -60,9 +69,10 @@ class _Job:
     req: PushRequest
     deadline: float  # local monotonic seconds
     xfer: XferHandle | None = None
+    fetched: bool = False  # its consumer's records were fetched once already
 
 
-_Cmd = tuple[str, _Job | tuple[int, str, str, int]] | None
+_Cmd = tuple[str, object] | None
 
 
 class PushWorker:
@@ -101,6 +111,7 @@ class PushWorker:
         self._run_blocks = run_blocks
         self._jobs: queue.Queue[_Cmd] = queue.Queue()
         self._peers: dict[str, _ConsumerPeer] = {}
+        self._fetching: dict[str, list[_Job]] = {}  # address -> jobs waiting for its records
         self._writes: list[_Job] = []
         self._lock = threading.Lock()
         self._cancelled: OrderedDict[tuple[int, str, int], None] = OrderedDict()
@@ -155,6 +166,10 @@ class PushWorker:
 
     def _do(self, cmd: tuple[str, object]) -> None:
         kind, arg = cmd
+        if kind == "fetched":
+            address, out = cast(tuple[str, list[LayoutRecord] | Exception], arg)
+            self._fetched(address, out)
+            return
         if kind == "cancel":
             rank, sender, rid, attempt = cast(tuple[int, str, str, int], arg)
             self._cancel(rank, sender, rid, attempt)
@@ -210,16 +225,62 @@ class PushWorker:
                 log.debug("release of a cancelled write: %s", e)
             job.xfer = None
 
-    def _peer(self, address: str, generation: int) -> _ConsumerPeer:
+    def _peer(self, address: str, generation: int) -> _ConsumerPeer | None:
+        """The consumer peer at ``address`` (of ``generation``, 0: any), or None when its
+        records are still being fetched."""
         peer = self._peers.get(address)
         if peer is not None and generation in (0, peer.generation):
             return peer
-        if peer is not None:  # the consumer restarted at this address: forget the old one
+        return None
+
+    def _park(self, job: _Job) -> None:
+        """Park a job until its consumer's records arrive; fetch them in another thread
+        (bounded: MAX_FETCHES addresses at once, MAX_PARKED jobs per address)."""
+        address = job.req.consumer_address
+        parked = self._fetching.get(address)
+        if parked is not None:
+            if len(parked) >= MAX_PARKED:
+                raise TransferError(f"{MAX_PARKED} pushes already wait for {address}")
+            parked.append(job)
+            return
+        if len(self._fetching) >= MAX_FETCHES:
+            raise TransferError(f"{MAX_FETCHES} consumer contacts already in progress")
+        self._fetching[address] = [job]
+        threading.Thread(
+            target=self._fetch, args=(address,), name="kvxfer-push-fetch", daemon=True
+        ).start()
+
+    def _fetch(self, address: str) -> None:
+        try:
+            out: list[LayoutRecord] | Exception = fetch_records(
+                address, None, self._hash, self._timeout_s
+            )
+        except Exception as e:  # handed to the push thread, which fails the jobs typed
+            out = e
+        self._jobs.put(("fetched", (address, out)))
+
+    def _fetched(self, address: str, out: list[LayoutRecord] | Exception) -> None:
+        jobs = self._fetching.pop(address, [])
+        try:
+            if isinstance(out, Exception):
+                if isinstance(out, KvxferError):
+                    raise out
+                raise TransferError(f"records of {address}: {type(out).__name__}: {out}") from out
+            self._install(address, out)
+        except KvxferError as e:
+            for job in jobs:
+                self._fail(job, e)
+            return
+        for job in jobs:
+            try:
+                self._do(("push", job))
+            except Exception as e:  # that job already failed typed; the others go on
+                self._log_error(e)
+
+    def _install(self, address: str, recs: list[LayoutRecord]) -> None:
+        if address in self._peers:  # the consumer restarted at this address: forget the old one
             self._drop(address)
-        recs = fetch_records(address, None, self._hash, self._timeout_s)
         gens = {r.generation for r in recs}
-        if generation and gens != {generation}:
-            raise TransferError(f"{address} runs generation {sorted(gens)}, not {generation}")
         layouts = {r.tp_rank: layout_from_record(r) for r in recs}
         mine = {p: c.layout for p, c in self._ranks.items()}
         runs = self._run_blocks
@@ -231,8 +292,7 @@ class PushWorker:
             for rec in recs:
                 cache.backend.add_remote(rec.agent_metadata)
         agents = {r.tp_rank: r.agent_name for r in recs}
-        peer = self._peers[address] = _ConsumerPeer(agents, plans, min(gens, default=0))
-        return peer
+        self._peers[address] = _ConsumerPeer(agents, plans, min(gens, default=0))
 
     def _drop(self, address: str) -> None:
         peer = self._peers.pop(address)
@@ -256,6 +316,14 @@ class PushWorker:
             self._confirm(job)  # never start a write past the deadline or after Abort
             return
         peer = self._peer(req.consumer_address, req.consumer_generation)
+        if peer is None:
+            if job.fetched:
+                raise TransferError(
+                    f"{req.consumer_address} does not run generation {req.consumer_generation}"
+                )
+            job.fetched = True
+            self._park(job)
+            return
         if peer.agents.get(req.consumer_rank) != job.sender:
             job.sender = ""  # not the consumer it names: tell no one, write nothing
             raise TransferError(
