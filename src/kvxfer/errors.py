@@ -16,11 +16,13 @@ already catches ``ValueError`` keeps working.
     +-- DeadlineError(TimeoutError)   a request passed its deadline
     +-- WaitTimeout(TimeoutError)     the caller's own wait ran out; the request goes on
     +-- ClosedError(RuntimeError)     the engine was closed: a usage error, not a fault
+    +-- CancelledError                the caller cancelled the request
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CancelledError",
     "ClosedError",
     "DeadlineError",
     "IncompatibleError",
@@ -69,6 +71,10 @@ class DeadlineError(KvxferError, TimeoutError):
 
 class WaitTimeout(KvxferError, TimeoutError):
     """A caller's wait (``result(timeout_s)``) ran out; the request itself is still live."""
+
+
+class CancelledError(KvxferError):
+    """The caller cancelled the request (``Transfer.cancel``); it ended ABORTED."""
 
 
 class ClosedError(KvxferError, RuntimeError):

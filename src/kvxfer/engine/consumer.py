@@ -24,6 +24,7 @@ from kvxfer.engine.rank import RankCache, encode_records, new_generation
 from kvxfer.engine.relayout import relayout_bsr
 from kvxfer.engine.transfer import PeerInfo, Transfer, num_bytes
 from kvxfer.errors import (
+    CancelledError,
     ClosedError,
     DeadlineError,
     KvxferError,
@@ -240,6 +241,12 @@ class Consumer(FirstContact):
         _, _, settled = self._inbox.status(t)
         return not settled and time.monotonic() < t.quarantine_until
 
+    def cancel(self, t: Transfer) -> None:
+        """See :meth:`Transfer.cancel`."""
+        with self._engine_lock:
+            if not t.state.is_terminal:
+                self._fail(t, CancelledError(f"request {t.request_id!r} cancelled by the caller"))
+
     def advance(self, t: Transfer) -> RequestState:
         """Advance one request's state machine (what :meth:`Transfer.poll` calls)."""
         if t.state.is_terminal:
@@ -391,7 +398,7 @@ class Consumer(FirstContact):
             if not t.keep_peer:
                 self._drop_peer(t.peer)
             return
-        if isinstance(error, ClosedError):
+        if isinstance(error, ClosedError | CancelledError):
             t.state = RequestState.ABORTED
         elif isinstance(error, DeadlineError):
             t.state = RequestState.TIMEOUT

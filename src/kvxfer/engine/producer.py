@@ -65,6 +65,7 @@ class Producer:
                 self.ranks.append(RankCache(spec, bufs, name, config))
             self._tables = {r.rank: LeaseTable(config.lease_s) for r in self.ranks}
             self._pending_free: dict[str, set[int]] = {}
+            self._held_ids: dict[str, frozenset[int]] = {}
             self._freed: list[tuple[str, FreeReason]] = []
             self.num_rejected = 0
             self.num_errors = 0
@@ -76,6 +77,7 @@ class Producer:
                 self.compat_hash,
                 config.handshake_timeout_s,
                 self._on_written,
+                held_ids=self.held_block_ids,
                 strided=config.strided,
                 run_blocks=config.run_blocks,
             )
@@ -96,20 +98,58 @@ class Producer:
         with self._lock:
             return sum(t.held_blocks for t in self._tables.values())
 
-    def hold(self, request_id: str, num_blocks: int, lease_s: float | None = None) -> Lease:
+    def hold(
+        self,
+        request_id: str,
+        num_blocks: int | None = None,
+        lease_s: float | None = None,
+        *,
+        block_ids: Sequence[int] | None = None,
+    ) -> Lease:
         """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired.
+
+        Args:
+            request_id: the request (unique among held ones).
+            num_blocks: blocks held (default: ``len(block_ids)``).
+            lease_s: lease (default ``config.lease_s``); finite, > 0.
+            block_ids: the producer's (logical) block ids of the request: a push naming
+                other remote blocks for this request is refused (FAILED). Pull reads
+                are one-sided, so for pull this is bookkeeping only.
 
         Returns:
             The lease: hand ``expires_at_ns`` (and ``generation``) to the consumer with
             the block ids, so it never reads after the lease ended.
         """
         lease = self.config.lease_s if lease_s is None else check_seconds("lease_s", lease_s)
+        held = None if block_ids is None else frozenset(int(b) for b in block_ids)
+        if num_blocks is None:
+            if held is None:
+                raise LayoutError("hold needs num_blocks or block_ids")
+            num_blocks = len(held)
         now, wall_ns = time.monotonic(), time.time_ns()
         with self._lock:
             for t in self._tables.values():
                 t.hold(request_id, num_blocks, now, lease)
             self._pending_free[request_id] = set()
+            if held is not None:
+                self._held_ids[request_id] = held
         return Lease(request_id, wall_ns + int(lease * 1e9), self.generation)
+
+    def release(self, request_id: str) -> bool:
+        """Stop holding ``request_id`` now, on every rank (the caller frees its blocks; it
+        is not reported by :meth:`pop_freed`). False if it was not held."""
+        with self._lock:
+            if self._pending_free.pop(request_id, None) is None:
+                return False
+            self._held_ids.pop(request_id, None)
+            for t in self._tables.values():
+                t.abort(request_id)
+            return True
+
+    def held_block_ids(self, request_id: str) -> frozenset[int] | None:
+        """The block ids given to :meth:`hold` for a held request (None: not given)."""
+        with self._lock:
+            return self._held_ids.get(request_id) if request_id in self._pending_free else None
 
     def pop_freed(self) -> list[tuple[str, FreeReason]]:
         """Requests released on every rank since the last call: the caller frees their blocks."""
@@ -195,6 +235,7 @@ class Producer:
                 seen.add(rank)
                 if len(seen) == len(self._tables):
                     del self._pending_free[rid]
+                    self._held_ids.pop(rid, None)
                     self._freed.append((rid, reason))
 
     def close(self) -> None:

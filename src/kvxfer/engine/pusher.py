@@ -101,12 +101,14 @@ class PushWorker:
         on_written: Callable[[str, int, int, int], None],
         strided: bool = True,
         run_blocks: int = 1,
+        held_ids: Callable[[str], frozenset[int] | None] = lambda _: None,
     ) -> None:
         self._ranks = ranks
         self._generation = generation
         self._hash = compat_hash
         self._timeout_s = timeout_s
         self._on_written = on_written
+        self._held_ids = held_ids
         self._strided = strided
         self._run_blocks = run_blocks
         self._jobs: queue.Queue[_Cmd] = queue.Queue()
@@ -330,6 +332,10 @@ class PushWorker:
                 f"push {req.request_id!r} for consumer rank {req.consumer_rank} of "
                 f"{req.consumer_address} did not come from that rank's agent"
             )
+        held = self._held_ids(req.request_id)
+        if held is not None and not held.issuperset(req.remote_block_ids):
+            stray = sorted(set(req.remote_block_ids) - held)[:8]
+            raise TransferError(f"push {req.request_id!r}: blocks {stray} are not held for it")
         plan = peer.plans.get(req.consumer_rank)
         if plan is None:
             raise TransferError(f"unknown consumer rank {req.consumer_rank}")

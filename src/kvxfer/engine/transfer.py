@@ -28,6 +28,10 @@ class RequestDriver(Protocol):
         """Advance ``transfer``'s state machine one step and return its state."""
         ...
 
+    def cancel(self, transfer: Transfer) -> None:
+        """End ``transfer`` ABORTED (unless terminal) and tell its producer."""
+        ...
+
     def is_quarantined(self, transfer: Transfer) -> bool:
         """Whether a producer may still write into ``transfer``'s local blocks."""
         ...
@@ -124,6 +128,13 @@ class Transfer:
         that did not end DONE and whose producer has not confirmed cancellation yet):
         do not reuse the blocks until it turns False. Always False for pull."""
         return self.consumer.is_quarantined(self)
+
+    def cancel(self) -> RequestState:
+        """Give up on the request: it ends ABORTED (unless already terminal) and the
+        producer is told (it frees the blocks; a push stops writing, see
+        :attr:`quarantined`). Returns the final state."""
+        self.consumer.cancel(self)
+        return self.state
 
     def poll(self) -> RequestState:
         """Advance the request and return its state (terminal states stay put)."""
