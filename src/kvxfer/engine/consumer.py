@@ -117,11 +117,12 @@ class Consumer(FirstContact):
         i = self._inbox
         return i.num_rejected + i.num_stale + i.num_forged
 
-    def _on_peer_lost(self, address: str, reason: str) -> None:
-        """Heartbeat verdict: the producer at ``address`` died or restarted."""
+    def _on_peer_lost(self, address: str, reason: str, generations: set[int]) -> None:
+        """Heartbeat verdict: the producer at ``address`` (running ``generations``) died
+        or restarted. A peer re-handshaken meanwhile (other generations) is kept."""
         with self._lock:
             peer = self._peers.get(address)
-        if peer is not None:
+        if peer is not None and set(peer.generations.values()) == generations:
             peer.error = PeerLostError(f"{address}: {reason}")
             self._drop_peer(peer)
 
@@ -391,6 +392,10 @@ class Consumer(FirstContact):
             except KvxferError as e:
                 log.debug("release after failure: %s", e)
         t.xfers = []
+        if isinstance(t.peer.error, PeerLostError) and not isinstance(
+            error, PeerLostError | DeadlineError | ClosedError | CancelledError
+        ):
+            error = t.peer.error  # a heartbeat drop surfaced as a NIXL error: still PEER_LOST
         t.error = error
         t.finished_at = time.perf_counter()
         if isinstance(error, PeerLostError):
@@ -420,6 +425,9 @@ class Consumer(FirstContact):
         Live requests end ABORTED (their producers are told); later calls of
         :meth:`read`/:meth:`push` raise :class:`~kvxfer.errors.ClosedError`.
         """
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:  # first, outside the lock: its thread may wait for it
+            monitor.close()
         lock = getattr(self, "_engine_lock", None)
         if lock is None:  # __init__ failed before the lock existed
             self._close_resources()
