@@ -63,6 +63,8 @@ def test_push_after_timeout_never_lands(spawn, closing) -> None:  # type: ignore
     while t.quarantined and time.monotonic() < until:
         time.sleep(0.01)
     assert not t.quarantined  # the producer confirmed nothing more of this attempt lands
+    time.sleep(0.05)
+    assert cons._inbox.num_live == 0  # settled attempts are pruned: nothing grows
 
 
 def test_retry_not_completed_by_stale_write_done(spawn, closing) -> None:  # type: ignore[no-untyped-def]
@@ -135,3 +137,29 @@ def test_silent_consumer_address_does_not_stall_pushes(spawn, closing) -> None: 
           f"{time.monotonic() - t0:.3f} s")  # fmt: skip
     assert state is RequestState.DONE, (t.state, t.error)
     assert verify(ranks, a.remote_spec(), ids(4, 5), ids(9, 10)) == 0
+
+
+def test_forged_write_done_is_not_obeyed(spawn, closing) -> None:  # type: ignore[no-untyped-def]
+    """Item 16 (engine part): a WriteDone from an agent the attempt is not bound to (a
+    third process that knows the request id, attempt and generation) is dropped."""
+    from kvxfer.transport.nixl import NixlBackend
+    from kvxfer.wire import WriteDone
+
+    a = spawn(engine_id="pa", num_blocks=64).start()
+    cons, ranks = make_consumer("tiny-gqa", 64, handshake_timeout_s=2.0)
+    closing(cons)
+    _warm(cons, a, ranks)
+    forger = closing(NixlBackend("forger", progress_delay_us=100))
+    target = forger.add_remote(cons.ranks[0].backend.metadata())
+    a.stop_process()
+    try:
+        t = cons.push("v", a.address, local_block_ids=ids(2, 3), remote_block_ids=ids(7, 8),
+                      deadline_s=DEADLINE_S)  # fmt: skip
+        t.poll()
+        kw = {"attempt": t.attempt} if hasattr(t, "attempt") else {}
+        forged = WriteDone("v", t.peer.generations[0], 0, 1, **kw)
+        forger.send_notif(target, encode_msg(forged))
+        wait_all([t], DEADLINE_S + 5)
+        assert t.state is RequestState.TIMEOUT, t.state  # never DONE on bytes not written
+    finally:
+        a.signal(signal.SIGCONT)
