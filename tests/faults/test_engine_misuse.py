@@ -46,6 +46,10 @@ def test_float_inputs_are_validated(bad: float, closing) -> None:  # type: ignor
     with pytest.raises(ValueError, match="deadline_s"):
         cons.read("r", "tcp://127.0.0.1:1", local_block_ids=ids(0), remote_block_ids=ids(1),
                   deadline_s=bad)  # fmt: skip
+    if bad != 0.0:  # a zero wait is a plain poll
+        t = cons.read("w", "tcp://127.0.0.1:1", local_block_ids=ids(0), remote_block_ids=ids(1))
+        with pytest.raises(ValueError, match="timeout_s"):
+            t.wait(bad)
 
 
 def test_push_survives_a_bad_consumer_rank(spawn, closing) -> None:  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import NoReturn
 
-from kvxfer.engine.config import EngineConfig
+from kvxfer.engine.config import EngineConfig, check_seconds
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.rank import RankCache
 from kvxfer.engine.transfer import PeerInfo, Transfer
@@ -42,6 +42,8 @@ class FirstContact:
 
     def connect(self, address: str, timeout_s: float | None = None) -> PeerInfo:
         """Contact ``address`` now (blocking) unless already known; raise its error if it failed."""
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s)
         peer = self._peer(address)
         if not peer.ready.wait(
             self.config.handshake_timeout_s * 2 if timeout_s is None else timeout_s

@@ -53,7 +53,10 @@ class _Entry:
 
 
 class LeaseTable:
-    """Requests held by one producer rank. Times are caller-supplied seconds (monotonic)."""
+    """Requests held by one producer rank. Times are caller-supplied seconds (monotonic).
+
+    Not thread-safe (pure bookkeeping): the producer calls it under its own lock.
+    """
 
     def __init__(self, default_lease_s: float = 30.0) -> None:
         self.default_lease_s = check_seconds("lease_s (default)", default_lease_s)

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.engine.config import RequestState
+from kvxfer.engine.config import RequestState, check_seconds
 from kvxfer.errors import KvxferError, WaitTimeout
 from kvxfer.planning.pairing import PeerPlan
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp
@@ -43,6 +43,9 @@ __all__ = ["PeerInfo", "Transfer", "new_attempt", "num_bytes"]
 @dataclass(slots=True)
 class PeerInfo:
     """A producer engine this consumer has contacted (or is contacting).
+
+    Thread-safety: written by its handshake thread until ``ready`` is set, read-only
+    afterwards (``error`` may be set once more by a heartbeat verdict).
 
     Attributes:
         address: the producer's side-channel endpoint.
@@ -141,7 +144,13 @@ class Transfer:
         return self.consumer.advance(self)
 
     def wait(self, timeout_s: float | None = None) -> RequestState:
-        """Poll until terminal or ``timeout_s`` (the request's own deadline always applies)."""
+        """Poll until terminal or ``timeout_s`` (the request's own deadline always applies).
+
+        Raises:
+            LayoutError (a ValueError): ``timeout_s`` is NaN, infinite or negative.
+        """
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s, allow_zero=True)
         until = (
             self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
         )
