@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from kvxfer.engine.rank import RankCache
 from kvxfer.engine.transfer import Transfer
 from kvxfer.errors import KvxferError
+from kvxfer.transport.nixl import XferOp
 from kvxfer.wire import Failed, WriteDone, decode_msg
 from kvxfer.wire.messages import Cancelled
 
@@ -25,7 +26,7 @@ __all__ = ["Inbox"]
 
 log = logging.getLogger(__name__)
 
-BUSY_S = 0.0005  # drain interval while push attempts are live
+BUSY_S = 0.0005  # drain interval while push attempts are live (they wait for notices)
 IDLE_S = 0.01  # otherwise (unsolicited notices still drain: bounded memory)
 
 
@@ -40,6 +41,7 @@ class Inbox:
     def __init__(self, ranks: Mapping[int, RankCache]) -> None:
         self._ranks = dict(ranks)
         self._live: dict[int, Transfer] = {}
+        self._num_push = 0  # live push attempts (pull ones need no fast drain)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.num_rejected = 0  # malformed or unexpected notices
@@ -52,10 +54,12 @@ class Inbox:
     def add(self, t: Transfer) -> None:
         with self._lock:
             self._live[t.attempt] = t
+            self._num_push += t.op is XferOp.WRITE
 
     def discard(self, t: Transfer) -> None:
         with self._lock:
-            self._live.pop(t.attempt, None)
+            if self._live.pop(t.attempt, None) is not None:
+                self._num_push -= t.op is XferOp.WRITE
 
     def live(self) -> list[Transfer]:
         with self._lock:
@@ -79,7 +83,7 @@ class Inbox:
             self._thread.join(5)
 
     def _run(self) -> None:
-        while not self._stop.wait(BUSY_S if self._live else IDLE_S):
+        while not self._stop.wait(BUSY_S if self._num_push else IDLE_S):
             try:
                 self.drain()
             except Exception as e:  # the loop survives anything; say so once
@@ -107,6 +111,7 @@ class Inbox:
                     t.expected <= (t.written | t.settled) or now >= t.quarantine_until
                 ):
                     del self._live[a]
+                    self._num_push -= t.op is XferOp.WRITE
 
     def _dispatch(self, d: int, agent: str, raw: bytes) -> None:
         try:
