@@ -163,3 +163,29 @@ def test_forged_write_done_is_not_obeyed(spawn, closing) -> None:  # type: ignor
         assert t.state is RequestState.TIMEOUT, t.state  # never DONE on bytes not written
     finally:
         a.signal(signal.SIGCONT)
+
+
+def test_cancelled_push_never_lands(spawn, closing) -> None:  # type: ignore[no-untyped-def]
+    """Item 1 (Abort path): a push cancelled while the producer is stopped is dropped
+    from its queue when it runs again (its 30 s deadline alone would let it write)."""
+    a = spawn(engine_id="pa", num_blocks=256).start()
+    cons, ranks = make_consumer("tiny-gqa", 256, handshake_timeout_s=2.0)
+    closing(cons)
+    _warm(cons, a, ranks)
+    lids, rids = np.arange(10, 138), np.arange(0, 128)
+    a.stop_process()
+    try:
+        t = cons.push("c", a.address, local_block_ids=lids, remote_block_ids=rids,
+                      deadline_s=30.0)  # fmt: skip
+        t.poll()
+        assert t.expected  # the PushRequest went out
+        assert t.cancel() is RequestState.ABORTED
+        assert t.quarantined
+    finally:
+        a.signal(signal.SIGCONT)
+    until = time.monotonic() + 5
+    while t.quarantined and time.monotonic() < until:
+        time.sleep(0.01)
+    assert not t.quarantined  # the producer confirmed the cancellation
+    time.sleep(0.5)
+    assert _landed(ranks, lids) == 0

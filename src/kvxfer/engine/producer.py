@@ -159,6 +159,9 @@ class Producer:
 
     def _run(self) -> None:
         while not self._stop.wait(0.0005):
+            # pushes are queued after the whole batch: an Abort that arrived with its
+            # PushRequest (a producer resumed after SIGSTOP) cancels it before it starts
+            pushes: list[tuple[int, str, PushRequest, float]] = []
             for r in self.ranks:
                 try:
                     notifs = r.backend.get_notifs()
@@ -168,9 +171,11 @@ class Producer:
                 for agent, msgs in notifs.items():
                     for raw in msgs:
                         try:
-                            self._on_msg(r.rank, agent, raw)
+                            self._on_msg(r.rank, agent, raw, pushes)
                         except Exception as e:  # one bad notice never stops the engine
                             self._log_error("notification", e)
+            for push in pushes:
+                self._pusher.submit(*push)
             with self._lock:
                 now = time.monotonic()
                 for t in self._tables.values():  # the margin covers clock skew and latency
@@ -182,7 +187,9 @@ class Producer:
         if self.num_errors == 1:  # logged once (with its traceback), then counted
             log.exception("%s handling failed (logged once, counted after): %s", what, e)
 
-    def _on_msg(self, rank: int, agent: str, raw: bytes) -> None:
+    def _on_msg(
+        self, rank: int, agent: str, raw: bytes, pushes: list[tuple[int, str, PushRequest, float]]
+    ) -> None:
         try:
             msg = decode_msg(raw)
         except KvxferError as e:
@@ -209,7 +216,7 @@ class Producer:
                 # the local deadline: the relative budget bounds it; time the message
                 # spent queued (by the sender's wall clock) can only shorten it
                 queued_s = max(0.0, (time.time_ns() - msg.sent_at_ns) / 1e9)
-                self._pusher.submit(rank, agent, msg, now + msg.budget_ms / 1e3 - queued_s)
+                pushes.append((rank, agent, msg, now + msg.budget_ms / 1e3 - queued_s))
             elif isinstance(msg, LeaseRenew):
                 lease = max(self.config.lease_s, msg.budget_ms / 1e3)  # covers the deadline
                 for rid in msg.request_ids:
