@@ -70,10 +70,11 @@ def test_hold_block_ids_refuses_other_blocks_and_release(closing) -> None:  # ty
     wait_all([bad], 10)
     assert bad.state is RequestState.FAILED, (bad.state, bad.error)
     assert "not held" in str(bad.error)
-    assert prod.release("h2") is True
-    assert prod.release("h2") is False
+    prod.hold("h3", block_ids=[7, 8])  # (h2 was freed by the consumer's Abort)
+    assert prod.release("h3") is True
+    assert prod.release("h3") is False
     until = time.monotonic() + 5
     while prod.held_blocks and time.monotonic() < until:
         time.sleep(0.01)
     assert prod.held_blocks == 0
-    assert all(rid != "h2" for rid, _ in prod.pop_freed())  # the caller released it itself
+    assert all(rid != "h3" for rid, _ in prod.pop_freed())  # the caller released it itself
