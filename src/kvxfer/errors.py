@@ -16,7 +16,11 @@ Every error kvxfer raises derives from :class:`KvxferError`. Bad caller input
     +-- BackendUnavailableError(ImportError)  the transfer library (NIXL) is not installed
     +-- TransferError                      NIXL reported a failure for a transfer
     |   +-- PeerLostError                  the peer died or restarted (stale generation)
+    |   +-- LeaseExpiredError              the producer's lease on the blocks ended before the read
     +-- DeadlineError(TimeoutError)        a request passed its deadline
+    +-- WaitTimeout(TimeoutError)          the caller's own wait ran out; the request goes on
+    +-- ClosedError(RuntimeError)          the engine was closed: a usage error, not a fault
+    +-- CancelledError                     the caller cancelled the request
 """
 
 from __future__ import annotations
@@ -24,15 +28,19 @@ from __future__ import annotations
 __all__ = [
     "AuthError",
     "BackendUnavailableError",
+    "CancelledError",
+    "ClosedError",
     "ConfigError",
     "DeadlineError",
     "IncompatibleError",
     "InputError",
     "KvxferError",
     "LayoutError",
+    "LeaseExpiredError",
     "PeerLostError",
     "ProtocolError",
     "TransferError",
+    "WaitTimeout",
 ]
 
 
@@ -77,5 +85,23 @@ class PeerLostError(TransferError):
     """The peer disconnected, died or restarted; its old handles are invalid."""
 
 
+class LeaseExpiredError(TransferError):
+    """The producer's lease on a request's blocks ended (or nearly): they may belong to
+    another request now, so they are not read."""
+
+
 class DeadlineError(KvxferError, TimeoutError):
     """A request did not complete before its deadline."""
+
+
+class WaitTimeout(KvxferError, TimeoutError):
+    """A caller's wait (``result(timeout_s)``) ran out; the request itself is still live."""
+
+
+class CancelledError(KvxferError):
+    """The caller cancelled the request (``Transfer.cancel``); it ended ABORTED."""
+
+
+class ClosedError(KvxferError, RuntimeError):
+    """The engine was closed: new requests are refused (a usage error, distinct from a
+    transfer that broke)."""

@@ -94,9 +94,8 @@ def _producer_main(conn: Connection, opts: dict[str, Any]) -> None:
                 return
             op = cmd[0]
             if op == "hold":
-                for rid, n in cmd[1]:
-                    prod.hold(rid, n, cmd[2])
-                conn.send(("ok",))
+                leases = [prod.hold(rid, n, cmd[2]) for rid, n in cmd[1]]
+                conn.send(("ok", [getattr(x, "expires_at_ns", None) for x in leases]))
             elif op == "stats":
                 conn.send(("stats", _stats(prod, freed)))
             elif op in ("wait_free", "stop"):
@@ -174,10 +173,11 @@ class ProducerProc:
         assert msg[0] == want, msg
         return msg
 
-    def hold(self, items: Iterable[tuple[str, int]], lease_s: float | None = None) -> None:
-        """Hold requests ``(request_id, num_blocks)``; returns once the producer did."""
+    def hold(self, items: Iterable[tuple[str, int]], lease_s: float | None = None) -> list[Any]:
+        """Hold requests ``(request_id, num_blocks)``; returns once the producer did, with
+        each lease's end (``Lease.expires_at_ns``, producer wall clock)."""
         self.conn.send(("hold", list(items), lease_s))
-        self._reply(REPLY_TIMEOUT_S, "ok")
+        return list(self._reply(REPLY_TIMEOUT_S, "ok")[1])
 
     def stats(self) -> dict[str, Any]:
         self.conn.send(("stats",))
@@ -243,6 +243,7 @@ def make_consumer(
     deadline_s: float = 30.0,
     handshake_timeout_s: float = 5.0,
     heartbeat_s: float = 1.0,
+    side_channel_addr: str = "tcp://127.0.0.1:0",
 ) -> tuple[Any, list[tuple[LayoutSpec, list[Any]]]]:
     """A :class:`kvxfer.engine.consumer.Consumer` over zeroed buffers; returns it and its ranks."""
     from kvxfer.engine.consumer import Consumer
@@ -257,6 +258,7 @@ def make_consumer(
         deadline_s=deadline_s,
         handshake_timeout_s=handshake_timeout_s,
         heartbeat_s=heartbeat_s,
+        side_channel_addr=side_channel_addr,
     )
     return Consumer(cfg, ranks), ranks
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvxfer.engine.leases import FreeReason, LeaseTable
-from kvxfer.errors import LayoutError
+from kvxfer.errors import ConfigError
 
 
 def test_freed_after_last_expected_consumer() -> None:
@@ -117,13 +118,13 @@ def test_rehold_after_release_is_a_new_request() -> None:
 
 
 def test_bad_input() -> None:
-    with pytest.raises(LayoutError):
+    with pytest.raises(ConfigError):
         LeaseTable(0.0)
     t = LeaseTable(1.0)
     t.hold("r", 1, now=0.0)
-    with pytest.raises(LayoutError, match="already held"):
+    with pytest.raises(ConfigError, match="already held"):
         t.hold("r", 1, now=0.0)
-    with pytest.raises(LayoutError, match="num_blocks"):
+    with pytest.raises(ConfigError, match="num_blocks"):
         t.hold("s", -1, now=0.0)
     assert t.held_blocks == 1
 
@@ -177,7 +178,7 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(rid=IDS, n=st.integers(0, 8), lease=LEASE)
     def hold(self, rid: str, n: int, lease: float | None) -> None:
         if rid in self.live:
-            with pytest.raises(LayoutError):
+            with pytest.raises(ConfigError):
                 self.table.hold(rid, n, self.now, lease)
             return
         self.table.hold(rid, n, self.now, lease)
@@ -269,3 +270,17 @@ def test_heap_stays_bounded_under_extending_renewals() -> None:
     assert t.expire(now=20.0 + 9.99) == []
     assert sorted(t.expire(now=30.0)) == [f"r{i}" for i in range(10)]
     assert t.held_blocks == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_lease_seconds_validated(bad: float) -> None:
+    """Issue 9 item 9: one NaN lease used to stop every later lease in the table expiring."""
+    with pytest.raises(ValueError, match="lease_s"):
+        LeaseTable(bad)
+    t = LeaseTable(1.0)
+    with pytest.raises(ValueError, match="lease_s"):
+        t.hold("a", 1, 0.0, bad)
+    t.hold("b", 1, 0.0)
+    with pytest.raises(ValueError, match="lease_s"):
+        t.renew("b", 0.5, bad)
+    assert t.expire(2.0) == ["b"]

@@ -2,22 +2,53 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.errors import ConfigError
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.wire import compat_hash, model_facts
 
-__all__ = ["U8", "EngineConfig", "RequestState", "allocate_cache"]
+__all__ = ["U8", "EngineConfig", "RequestState", "allocate_cache", "check_seconds"]
 
 U8 = npt.NDArray[np.uint8]
 
 
+def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+    """Return ``value`` as float seconds; ConfigError (a ValueError) naming ``name`` unless
+    it is a finite number > 0 (>= 0 with ``allow_zero``). NaN/inf never pass: a NaN
+    deadline never expires and a NaN lease never ends."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be finite and {bound} seconds, got {value!r}")
+    return v
+
+
 class RequestState(str, Enum):
-    """Lifecycle of one request on a consumer. Everything but PENDING is terminal."""
+    """Lifecycle of one request attempt on a consumer. Everything but PENDING is terminal.
+
+    What can still land in the local blocks after a terminal state:
+
+    - DONE: nothing more; every byte landed.
+    - Pull (READ), any other terminal state: nothing. The READ was released (NIXL
+      cancels it) before the state changed; the blocks may hold partial bytes.
+    - Push (WRITE), any other terminal state: the producer may still be writing, so
+      the local blocks are QUARANTINED (``Transfer.quarantined`` is True): not
+      reusable until every producer rank the request went to confirmed (``Cancelled``
+      or ``WriteDone`` for this attempt), or ``deadline + lease_s`` passed. The
+      producer never starts a write past the request's deadline (the PushRequest
+      carries its remaining budget), releases posted writes at the deadline or on
+      Abort, and then confirms. Residual risk: the time bound assumes the producer
+      process gets scheduled; a producer stopped (SIGSTOP) past ``deadline + lease_s``
+      with a WRITE already posted could land bytes when continued.
+    """
 
     PENDING = "pending"  # waiting for first contact or for the transfer to finish
     DONE = "done"  # every byte landed (and was re-laid-out)
@@ -49,6 +80,8 @@ class EngineConfig:
             one); set it when binding a wildcard such as ``tcp://0.0.0.0:5601``.
         backend_params: extra NIXL UCX backend parameters (UCX also reads ``UCX_*``
             environment variables).
+        lease_margin_s: safety margin around a lease's end: a consumer does not post a
+            READ within it before the end, a producer frees only this long after it.
         max_run_blocks: longest run of blocks (contiguous on both sides) moved by one
             descriptor (run rows, strided lists only; 1 disables coalescing).
         auth_key: deployment key (>= 16 bytes) authenticating the side channel and
@@ -69,8 +102,15 @@ class EngineConfig:
     heartbeat_s: float = 1.0
     advertise_addr: str | None = None
     backend_params: tuple[tuple[str, str], ...] = ()
+    lease_margin_s: float = 0.5
     max_run_blocks: int = 1  # measured: NIXL 1.5 merges dense consecutive indices itself
     auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first setting that is not a valid number."""
+        for name in ("deadline_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):
+            check_seconds(name, getattr(self, name))
+        check_seconds("lease_margin_s", self.lease_margin_s, allow_zero=True)
 
     @property
     def run_blocks(self) -> int:

@@ -16,27 +16,34 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.engine.config import U8, EngineConfig, RequestState
+from kvxfer.engine.config import U8, EngineConfig, RequestState, check_seconds
+from kvxfer.engine.contact import FirstContact
+from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.rank import RankCache, encode_records, new_generation
 from kvxfer.engine.relayout import relayout_bsr
 from kvxfer.engine.transfer import PeerInfo, Transfer, num_bytes
-from kvxfer.errors import DeadlineError, KvxferError, LayoutError, PeerLostError, TransferError
+from kvxfer.errors import (
+    CancelledError,
+    ClosedError,
+    DeadlineError,
+    KvxferError,
+    LayoutError,
+    LeaseExpiredError,
+    PeerLostError,
+    TransferError,
+)
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.planning.request import plan_request
 from kvxfer.transport.nixl import XferOp, XferState
-from kvxfer.transport.side_channel import SideChannelServer, fetch_records
+from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import (
     Abort,
-    Failed,
     LeaseRenew,
     PushRequest,
     ReadDone,
-    WriteDone,
-    decode_msg,
     encode_msg,
-    layout_from_record,
 )
 
 __all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in transfer.py
@@ -51,12 +58,20 @@ def _pinned_ok(pin: int | Mapping[int, int], generations: Mapping[int, int]) -> 
     return all(generations.get(rank) == gen for rank, gen in pin.items())
 
 
-class Consumer:
+class Consumer(FirstContact):
     """A consumer engine hosting ``len(ranks)`` TP ranks in this process.
 
     Args:
         config: engine settings (deadline, handshake timeout, strided or dense lists).
         ranks: per TP rank, its spec and region buffers (which must outlive this).
+
+    Thread-safety: :meth:`read`, :meth:`push`, :meth:`connect` and :meth:`close` may be
+    called from any thread; every NIXL call of the engine that touches its bookkeeping
+    (post, poll, release, add/remove agents, prepare) runs under one engine lock, which
+    the handshake and heartbeat threads take too (see docs/architecture.md, "Threads
+    and locks"). One :class:`Transfer` is driven by one thread at a time. After
+    :meth:`close`, new requests raise :class:`~kvxfer.errors.ClosedError` and live
+    ones end ABORTED.
     """
 
     def __init__(
@@ -64,7 +79,10 @@ class Consumer:
     ) -> None:
         if not ranks:
             raise LayoutError("a consumer needs at least one rank")
+        config.check()
         self.config = config
+        self._closed = False
+        self._engine_lock = threading.RLock()  # NIXL calls + peer bookkeeping (see class doc)
         self.generation = new_generation()
         self.compat_hash = config.compat_hash(ranks[0][0])
         self._lock = threading.Lock()
@@ -82,9 +100,7 @@ class Consumer:
         except BaseException:
             self.close()
             raise
-        self._done: dict[str, set[tuple[int, int]]] = {}  # push: WriteDone seen per request
-        self._failed: dict[str, str] = {}  # push: Failed notices per request
-        self.num_rejected = 0
+        self._inbox = Inbox(self.ranks)
         self._monitor = PeerMonitor(self.compat_hash, config.heartbeat_s, self._on_peer_lost)
         self._warm_up()
 
@@ -95,11 +111,18 @@ class Consumer:
         peer = pair_layouts(lay, {lay.tp_rank: lay}, max_run_blocks=self.config.run_blocks)
         plan_request(peer, [0], [0])
 
-    def _on_peer_lost(self, address: str, reason: str) -> None:
-        """Heartbeat verdict: the producer at ``address`` died or restarted."""
+    @property
+    def num_rejected(self) -> int:
+        """Notifications dropped: malformed, stale attempts, or from the wrong agent."""
+        i = self._inbox
+        return i.num_rejected + i.num_stale + i.num_forged
+
+    def _on_peer_lost(self, address: str, reason: str, generations: set[int]) -> None:
+        """Heartbeat verdict: the producer at ``address`` (running ``generations``) died
+        or restarted. A peer re-handshaken meanwhile (other generations) is kept."""
         with self._lock:
             peer = self._peers.get(address)
-        if peer is not None:
+        if peer is not None and set(peer.generations.values()) == generations:
             peer.error = PeerLostError(f"{address}: {reason}")
             self._drop_peer(peer)
 
@@ -109,97 +132,6 @@ class Consumer:
         if self.config.advertise_addr:
             return self.config.advertise_addr
         return self.server.address if self.server is not None else ""
-
-    # -- first contact --------------------------------------------------------------
-
-    def connect(self, address: str, timeout_s: float | None = None) -> PeerInfo:
-        """Contact ``address`` now (blocking) unless already known; raise its error if it failed."""
-        peer = self._peer(address)
-        if not peer.ready.wait(
-            self.config.handshake_timeout_s * 2 if timeout_s is None else timeout_s
-        ):
-            raise PeerLostError(f"first contact with {address} did not finish")
-        if peer.error is not None:
-            raise peer.error
-        return peer
-
-    def _peer(self, address: str) -> PeerInfo:
-        with self._lock:
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = self._peers[address] = PeerInfo(address)
-                threading.Thread(
-                    target=self._handshake, args=(peer,), name="kvxfer-handshake", daemon=True
-                ).start()
-            return peer
-
-    def _handshake(self, peer: PeerInfo) -> None:
-        t0 = time.perf_counter()
-        try:
-            # one endpoint per producer process: "tcp://a:1" or "tcp://a:1,tcp://b:1,..."
-            by_endpoint = {
-                ep: fetch_records(ep, None, self.compat_hash, self.config.handshake_timeout_s)
-                for ep in peer.endpoints
-            }
-            recs = [r for rs in by_endpoint.values() for r in rs]
-            if len({r.tp_rank for r in recs}) != len(recs):
-                raise LayoutError(f"{peer.address}: several records claim the same TP rank")
-            layouts = {r.tp_rank: layout_from_record(r) for r in recs}
-            peer.generations = {r.tp_rank: r.generation for r in recs}
-            names = {r.tp_rank: r.agent_name for r in recs}
-            t1 = time.perf_counter()  # fetched and decoded
-            # plan before touching NIXL: an incompatible peer leaves no agent behind
-            runs = self.config.run_blocks
-            peer.plans = {
-                d: pair_layouts(c.layout, layouts, max_run_blocks=runs)
-                for d, c in self.ranks.items()
-            }
-            t2 = time.perf_counter()
-            for cache in self.ranks.values():
-                for rec in recs:
-                    cache.backend.add_remote(rec.agent_metadata)
-            peer.agents = names
-            t3 = time.perf_counter()
-            for d, plan in peer.plans.items():
-                backend = self.ranks[d].backend
-                for src in plan.sources:
-                    loc = backend.prepare(src.local_rows, strided=self.config.strided)
-                    rem = backend.prepare(
-                        src.remote_rows, names[src.rank], strided=self.config.strided
-                    )
-                    peer.lists[(d, src.rank)] = (loc, rem)
-                    peer.num_rows += src.num_rows * 2
-                    peer.num_descriptors += loc.num_descriptors + rem.num_descriptors
-            t4 = time.perf_counter()
-            peer.timings_s = {
-                "fetch": t1 - t0,
-                "build": t2 - t1,
-                "add_agent": t3 - t2,
-                "prepare": t4 - t3,
-            }
-            self._monitor.watch(
-                peer.address, {ep: {r.generation for r in rs} for ep, rs in by_endpoint.items()}
-            )
-        except KvxferError as e:
-            peer.error = e
-            with self._lock:
-                if self._peers.get(peer.address) is peer:
-                    del self._peers[peer.address]  # the next request tries again
-        finally:
-            peer.ready.set()
-
-    def _drop_peer(self, peer: PeerInfo) -> None:
-        """Forget a dead or restarted peer: its agents, lists and handles become invalid."""
-        with self._lock:
-            if self._peers.get(peer.address) is peer:
-                del self._peers[peer.address]
-                self._monitor.forget(peer.address)
-        for cache in self.ranks.values():
-            for agent in peer.agents.values():
-                try:
-                    cache.backend.remove_remote(agent)
-                except KvxferError as e:
-                    log.debug("remove_remote %s: %s", agent, e)
 
     # -- requests -------------------------------------------------------------------
 
@@ -216,6 +148,7 @@ class Consumer:
         ranks: Sequence[int] | None = None,
         deadline_s: float | None = None,
         generation: int | Mapping[int, int] | None = None,
+        lease_expires_at_ns: int | None = None,
     ) -> Transfer:
         """Start reading a request's blocks from the producer at ``address`` (pull mode).
 
@@ -227,12 +160,18 @@ class Consumer:
         processes) pins the request to that incarnation: after a producer restart it
         ends PEER_LOST instead of reading another process's blocks. ``address`` is one
         side-channel endpoint, or several separated by commas when the producer's
-        ranks live in several processes (one endpoint each).
+        ranks live in several processes (one endpoint each). ``lease_expires_at_ns``
+        (:attr:`~kvxfer.engine.leases.Lease.expires_at_ns` from the producer's ``hold``):
+        the READ is never posted within ``lease_margin_s`` of it (the request ends
+        FAILED with :class:`~kvxfer.errors.LeaseExpiredError`), and posting it asks the
+        producer to extend the lease over the request's deadline.
         """
-        return self._request(
+        t = self._request(
             XferOp.READ, request_id, address, local_block_ids, remote_block_ids,
             local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s, generation,
         )  # fmt: skip
+        t.lease_expires_at_ns = lease_expires_at_ns
+        return t
 
     def push(
         self,
@@ -272,6 +211,10 @@ class Consumer:
         deadline_s: float | None,
         generation: int | Mapping[int, int] | None,
     ) -> Transfer:
+        if self._closed:
+            raise ClosedError(f"consumer closed: request {request_id!r} refused")
+        if deadline_s is not None:
+            check_seconds("deadline_s", deadline_s)
         chosen = tuple(self.ranks) if ranks is None else tuple(ranks)
         for d in chosen:
             if d not in self.ranks:
@@ -282,16 +225,40 @@ class Consumer:
             kwargs["local_state_ids"] = np.asarray(local_state_ids)
         if remote_state_ids is not None:
             kwargs["remote_state_ids"] = np.asarray(remote_state_ids)
-        return Transfer(
+        t = Transfer(
             request_id, self, self._peer(address), deadline,
             np.asarray(local_block_ids), np.asarray(remote_block_ids), kwargs, chosen, op,
             generation=generation,
         )  # fmt: skip
+        self._inbox.add(t)  # close() aborts it; push notices find it by attempt
+        return t
+
+    def is_quarantined(self, t: Transfer) -> bool:
+        """See :attr:`Transfer.quarantined` (the design is on :class:`RequestState`)."""
+        if t.op is not XferOp.WRITE or not t.expected or t.state is RequestState.DONE:
+            return False
+        if not t.state.is_terminal:
+            return True
+        _, _, settled = self._inbox.status(t)
+        return not settled and time.monotonic() < t.quarantine_until
+
+    def cancel(self, t: Transfer) -> None:
+        """See :meth:`Transfer.cancel`."""
+        with self._engine_lock:
+            if not t.state.is_terminal:
+                self._fail(t, CancelledError(f"request {t.request_id!r} cancelled by the caller"))
 
     def advance(self, t: Transfer) -> RequestState:
         """Advance one request's state machine (what :meth:`Transfer.poll` calls)."""
         if t.state.is_terminal:
             return t.state
+        with self._engine_lock:
+            if self._closed:
+                self._fail(t, ClosedError(f"consumer closed: request {t.request_id!r} aborted"))
+                return t.state
+            return self._advance(t)
+
+    def _advance(self, t: Transfer) -> RequestState:
         try:
             if time.monotonic() >= t.deadline:
                 raise DeadlineError(f"request {t.request_id!r} passed its deadline")
@@ -301,24 +268,23 @@ class Consumer:
                 if t.peer.error is not None:
                     raise t.peer.error
                 if t.generation is not None and not _pinned_ok(t.generation, t.peer.generations):
-                    if not t.rechecked:  # maybe a restart we have not noticed yet: ask again
-                        t.rechecked = True
-                        self._drop_peer(t.peer)
-                        t.peer = self._peer(t.peer.address)
-                        return t.state
-                    raise PeerLostError(
-                        f"request {t.request_id!r} was prefilled by generation {t.generation}; "
-                        f"{t.peer.address} now runs {t.peer.generations}"
+                    self._recheck(t)  # raises, or re-handshakes a restarted producer
+                    return t.state
+                if t.lease_expires_at_ns is not None and time.time_ns() >= (
+                    t.lease_expires_at_ns - int(self.config.lease_margin_s * 1e9)
+                ):
+                    raise LeaseExpiredError(
+                        f"request {t.request_id!r}: the producer's lease ended; not read"
                     )
                 self._post(t)
             if t.op is XferOp.WRITE:
-                self._drain()
-                reason = self._failed.pop(t.request_id, None)
+                done, reason, _ = self._inbox.status(t)
                 if reason is not None:
                     raise TransferError(f"producer failed to push {t.request_id!r}: {reason}")
-                if t.expected <= self._done.get(t.request_id, set()):
-                    self._done.pop(t.request_id, None)
+                if done:
                     self._finish(t)
+                elif t.peer.error is not None:  # the heartbeat saw the producer die
+                    raise t.peer.error
                 return t.state
             self._renew(t)
             pending = []
@@ -334,14 +300,17 @@ class Consumer:
             self._fail(t, e)
         return t.state
 
-    def _renew(self, t: Transfer) -> None:
-        """Renew the producer's lease on a request still in flight, every heartbeat_s."""
+    def _renew(self, t: Transfer, force: bool = False) -> None:
+        """Renew the producer's lease on a request still in flight (every heartbeat_s), to
+        cover what is left of the request's deadline."""
         now = time.perf_counter()
-        if now - max(t.posted_at, t.renewed_at) < self.config.heartbeat_s:
+        if not force and now - max(t.posted_at, t.renewed_at) < self.config.heartbeat_s:
             return
         t.renewed_at = now
+        budget_ms = max(0, int((t.deadline - time.monotonic()) * 1000))
         for rank, agent in t.peer.agents.items():
-            msg = encode_msg(LeaseRenew((t.request_id,), t.peer.generations[rank]))
+            gen = t.peer.generations[rank]
+            msg = encode_msg(LeaseRenew((t.request_id,), gen, (t.attempt,), budget_ms))
             for d in t.ranks:
                 self.ranks[d].backend.send_notif(agent, msg)
 
@@ -351,6 +320,7 @@ class Consumer:
         if t.op is XferOp.WRITE:
             self._post_push(t)
             return
+        self._renew(t, force=True)  # first: the producer's lease now covers the deadline
         for d in t.ranks:
             plan = peer.plans[d]
             req = plan_request(plan, t.local_ids, t.remote_ids, **t.kwargs)  # type: ignore[arg-type]
@@ -361,7 +331,8 @@ class Consumer:
                     t.notify.append((d, ids.rank))
                     continue
                 loc, rem = peer.lists[(d, ids.rank)]
-                msg = encode_msg(ReadDone(t.request_id, peer.generations[ids.rank], d, size))
+                gen = peer.generations[ids.rank]
+                msg = encode_msg(ReadDone(t.request_id, gen, d, size, t.attempt))
                 x = backend.make_xfer(XferOp.READ, loc, ids.local_ids, rem, ids.remote_ids, msg)
                 t.xfers.append((d, x))
                 t.num_descriptors += ids.num_descriptors
@@ -372,6 +343,7 @@ class Consumer:
 
     def _post_push(self, t: Transfer) -> None:
         peer = t.peer
+        t.quarantine_until = t.deadline + self.config.lease_s
         for d in t.ranks:
             req = plan_request(peer.plans[d], t.local_ids, t.remote_ids, **t.kwargs)  # type: ignore[arg-type]
             kw = {
@@ -386,6 +358,10 @@ class Consumer:
                     self.ranks[d].spec.tp_size,
                     tuple(int(i) for i in t.local_ids), tuple(int(i) for i in t.remote_ids),
                     num_cached_blocks=int(t.kwargs.get("num_cached_blocks", 0)),  # type: ignore[call-overload]
+                    attempt=t.attempt,
+                    budget_ms=max(0, int((t.deadline - time.monotonic()) * 1000)),
+                    sent_at_ns=time.time_ns(),
+                    consumer_generation=self.generation,
                     **kw,  # type: ignore[arg-type]
                 )  # fmt: skip
                 backend.send_notif(peer.agents[ids.rank], encode_msg(msg))
@@ -394,28 +370,11 @@ class Consumer:
                 t.num_bytes += num_bytes(peer.plans[d], ids.rank, ids.local_ids)
             t.notify.extend((d, r) for r in req.notify_only)
 
-    def _drain(self) -> None:
-        """Collect push notifications (WriteDone, Failed) from every local rank's agent."""
-        with self._lock:
-            for d, cache in self.ranks.items():
-                for msgs in cache.backend.get_notifs().values():
-                    for raw in msgs:
-                        try:
-                            msg = decode_msg(raw)
-                        except KvxferError:
-                            self.num_rejected += 1
-                            continue
-                        if isinstance(msg, WriteDone):
-                            self._done.setdefault(msg.request_id, set()).add((d, msg.producer_rank))
-                        elif isinstance(msg, Failed):
-                            self._failed[msg.request_id] = msg.reason
-                        else:
-                            self.num_rejected += 1
-
     def _finish(self, t: Transfer) -> None:
         peer = t.peer
         for d, r in t.notify:  # tell ranks that were not read (MLA, GQA dedup, empty) to free
-            done = ReadDone(t.request_id, peer.generations[r], d, self.ranks[d].spec.tp_size)
+            size = self.ranks[d].spec.tp_size
+            done = ReadDone(t.request_id, peer.generations[r], d, size, t.attempt)
             self.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
         for d in t.ranks:
             plan = t.peer.plans[d]
@@ -433,16 +392,27 @@ class Consumer:
             except KvxferError as e:
                 log.debug("release after failure: %s", e)
         t.xfers = []
+        if isinstance(t.peer.error, PeerLostError) and not isinstance(
+            error, PeerLostError | DeadlineError | ClosedError | CancelledError
+        ):
+            error = t.peer.error  # a heartbeat drop surfaced as a NIXL error: still PEER_LOST
         t.error = error
         t.finished_at = time.perf_counter()
         if isinstance(error, PeerLostError):
             t.state = RequestState.PEER_LOST
-            self._drop_peer(t.peer)
+            if not t.keep_peer:
+                self._drop_peer(t.peer)
             return
-        t.state = RequestState.TIMEOUT if isinstance(error, DeadlineError) else RequestState.FAILED
+        if isinstance(error, ClosedError | CancelledError):
+            t.state = RequestState.ABORTED
+        elif isinstance(error, DeadlineError):
+            t.state = RequestState.TIMEOUT
+        else:
+            t.state = RequestState.FAILED
         if t.posted_at and t.peer.agents:  # tell every producer rank it may free the blocks
             for rank, agent in t.peer.agents.items():
-                msg = encode_msg(Abort(t.request_id, t.peer.generations[rank], t.state.value))
+                gen = t.peer.generations[rank]
+                msg = encode_msg(Abort(t.request_id, gen, t.state.value, t.attempt))
                 for d in t.ranks:
                     try:
                         self.ranks[d].backend.send_notif(agent, msg)
@@ -450,7 +420,31 @@ class Consumer:
                         log.debug("abort notice to %s: %s", agent, e)
 
     def close(self) -> None:
-        """Release every agent and deregister memory. Idempotent."""
+        """Abort live requests, release every agent and deregister memory. Idempotent.
+
+        Live requests end ABORTED (their producers are told); later calls of
+        :meth:`read`/:meth:`push` raise :class:`~kvxfer.errors.ClosedError`.
+        """
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:  # first, outside the lock: its thread may wait for it
+            monitor.close()
+        lock = getattr(self, "_engine_lock", None)
+        if lock is None:  # __init__ failed before the lock existed
+            self._close_resources()
+            return
+        with lock:
+            if self._closed:
+                return
+            inbox = getattr(self, "_inbox", None)
+            for t in inbox.live() if inbox is not None else []:
+                if not t.state.is_terminal:
+                    self._fail(t, ClosedError(f"consumer closed: request {t.request_id!r}"))
+            self._closed = True
+            if inbox is not None:
+                inbox.close()
+            self._close_resources()
+
+    def _close_resources(self) -> None:
         monitor = getattr(self, "_monitor", None)
         if monitor is not None:
             monitor.close()

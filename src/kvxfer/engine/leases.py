@@ -12,9 +12,10 @@ import heapq
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvxfer.errors import LayoutError
+from kvxfer.engine.config import check_seconds
+from kvxfer.errors import ConfigError
 
-__all__ = ["FreeReason", "LeaseTable"]
+__all__ = ["FreeReason", "Lease", "LeaseTable"]
 
 
 class FreeReason(str, Enum):
@@ -25,6 +26,25 @@ class FreeReason(str, Enum):
     EXPIRED = "expired"  # the lease ran out
 
 
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What :meth:`kvxfer.engine.producer.Producer.hold` returns: pass ``expires_at_ns``
+    to the consumer's ``read(..., lease_expires_at_ns=)`` (with the block ids).
+
+    Attributes:
+        request_id: the held request.
+        expires_at_ns: when the lease ends, producer wall clock (``time.time_ns()``).
+            The consumer refuses to post within ``lease_margin_s`` of it and the
+            producer frees only ``lease_margin_s`` after it, so clocks may differ by up
+            to the margin (NTP keeps hosts far closer).
+        generation: the producer's incarnation (pass it as ``read(generation=)``).
+    """
+
+    request_id: str
+    expires_at_ns: int
+    generation: int
+
+
 @dataclass(slots=True)
 class _Entry:
     num_blocks: int
@@ -33,12 +53,13 @@ class _Entry:
 
 
 class LeaseTable:
-    """Requests held by one producer rank. Times are caller-supplied seconds (monotonic)."""
+    """Requests held by one producer rank. Times are caller-supplied seconds (monotonic).
+
+    Not thread-safe (pure bookkeeping): the producer calls it under its own lock.
+    """
 
     def __init__(self, default_lease_s: float = 30.0) -> None:
-        if default_lease_s <= 0:
-            raise LayoutError(f"default_lease_s must be > 0, got {default_lease_s}")
-        self.default_lease_s = default_lease_s
+        self.default_lease_s = check_seconds("lease_s (default)", default_lease_s)
         self._entries: dict[str, _Entry] = {}
         self._heap: list[tuple[float, int, str]] = []  # (expires_at, seq, request_id)
         self._seq = 0
@@ -73,10 +94,14 @@ class LeaseTable:
     ) -> None:
         """Start holding ``num_blocks`` blocks for ``request_id`` until ``now + lease_s``."""
         if request_id in self._entries:
-            raise LayoutError(f"request {request_id!r} is already held")
+            raise ConfigError(f"request {request_id!r} is already held")
         if num_blocks < 0:
-            raise LayoutError(f"num_blocks must be >= 0, got {num_blocks}")
-        expires = now + (self.default_lease_s if lease_s is None else lease_s)
+            raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
+        expires = now + (
+            self.default_lease_s
+            if lease_s is None
+            else check_seconds("lease_s", lease_s, allow_zero=True)
+        )
         self._entries[request_id] = _Entry(num_blocks, expires)
         self._push(request_id, expires)
 
@@ -98,6 +123,8 @@ class LeaseTable:
 
     def renew(self, request_id: str, now: float, lease_s: float | None = None) -> bool:
         """Extend a held request's lease to ``now + lease_s``; False if it is not held."""
+        if lease_s is not None:
+            check_seconds("lease_s", lease_s, allow_zero=True)
         entry = self._entries.get(request_id)
         if entry is None:
             return False

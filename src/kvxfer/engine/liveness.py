@@ -3,7 +3,9 @@
 NIXL reports a dead peer only when a transfer touches it. :class:`PeerMonitor` probes
 each known producer's side channel every ``interval_s``: a reply with another
 generation means the producer restarted; ``max_misses`` unanswered probes in a row
-mean it is gone. Either way ``on_lost(address, reason)`` is called once, and the
+mean it is gone. Either way ``on_lost(address, reason, generations)`` is called once
+(``generations``: what the verdict was about, so a peer re-handshaken meanwhile, with
+other generations, is not dropped by a verdict about its predecessor), and the
 consumer drops the peer (its agents, lists and handles) so the next request
 re-handshakes.
 """
@@ -28,7 +30,11 @@ class PeerMonitor:
     Args:
         compat_hash: the hash records must carry.
         interval_s: seconds between probes of one peer (also the probe timeout).
-        on_lost: called with ``(address, reason)`` when a peer died or restarted.
+        on_lost: called with ``(address, reason, generations)`` when a peer died or
+            restarted (``generations``: the ones that were watched).
+
+    Thread-safety: :meth:`watch`, :meth:`forget` and :meth:`close` may be called from
+    any thread; the probe thread never dies from one failed probe.
         max_misses: unanswered probes in a row before a peer counts as dead.
     """
 
@@ -36,7 +42,7 @@ class PeerMonitor:
         self,
         compat_hash: str,
         interval_s: float,
-        on_lost: Callable[[str, str], None],
+        on_lost: Callable[[str, str, set[int]], None],
         max_misses: int = 3,
     ) -> None:
         self._hash = compat_hash
@@ -68,12 +74,25 @@ class PeerMonitor:
             with self._lock:
                 peers = {k: dict(v) for k, v in self._peers.items()}
             for key, endpoints in peers.items():
+                watched = {g for gens, _ in endpoints.values() for g in gens}
                 for ep, (gens, misses) in endpoints.items():
-                    reason = self._probe(key, ep, gens, misses)
+                    try:
+                        reason = self._probe(key, ep, gens, misses)
+                    except Exception as e:  # the loop survives anything: a typed verdict
+                        reason = f"{ep}: heartbeat failed: {type(e).__name__}: {e}"
                     if reason is not None:
-                        self.forget(key)
+                        with self._lock:  # forget only the watch this verdict is about
+                            now = self._peers.get(key)
+                            if (
+                                now is not None
+                                and {g for gs, _ in now.values() for g in gs} == watched
+                            ):
+                                del self._peers[key]
                         log.warning("peer %s lost: %s", key, reason)
-                        self._on_lost(key, reason)
+                        try:
+                            self._on_lost(key, reason, watched)
+                        except Exception as e:
+                            log.exception("on_lost(%s) failed: %s", key, e)
                         break
 
     def _probe(self, key: str, endpoint: str, gens: set[int], misses: int) -> str | None:

@@ -7,8 +7,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvxfer.engine.config import U8, EngineConfig
-from kvxfer.engine.leases import FreeReason, LeaseTable
+from kvxfer.engine.config import U8, EngineConfig, check_seconds
+from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import RankCache, encode_records, new_generation
 from kvxfer.errors import KvxferError, LayoutError
@@ -39,6 +39,11 @@ class Producer:
     Blocks of a request are held from :meth:`hold` until every expected consumer has
     read them (a ``ReadDone`` notification per consumer rank), a consumer aborts, or
     the lease expires; :meth:`pop_freed` reports released requests.
+
+    Thread-safety: :meth:`hold`, :meth:`pop_freed`, :attr:`held_blocks` and
+    :meth:`close` may be called from any thread (the lease tables are under one lock).
+    The engine thread alone drains notifications; the push thread alone posts, polls
+    and releases WRITEs (see docs/architecture.md, "Threads and locks").
     """
 
     def __init__(
@@ -46,6 +51,7 @@ class Producer:
     ) -> None:
         if not ranks:
             raise LayoutError("a producer needs at least one rank")
+        config.check()
         self.config = config
         self.generation = new_generation()
         self.compat_hash = config.compat_hash(ranks[0][0])
@@ -59,8 +65,10 @@ class Producer:
                 self.ranks.append(RankCache(spec, bufs, name, config))
             self._tables = {r.rank: LeaseTable(config.lease_s) for r in self.ranks}
             self._pending_free: dict[str, set[int]] = {}
+            self._held_ids: dict[str, frozenset[int]] = {}
             self._freed: list[tuple[str, FreeReason]] = []
             self.num_rejected = 0
+            self.num_errors = 0
             records = encode_records(self.ranks, self.generation, self.compat_hash)
             self.server = SideChannelServer(config.side_channel_addr, records).start()
             self._pusher = PushWorker(
@@ -69,6 +77,7 @@ class Producer:
                 self.compat_hash,
                 config.handshake_timeout_s,
                 self._on_written,
+                held_ids=self.held_block_ids,
                 strided=config.strided,
                 run_blocks=config.run_blocks,
             )
@@ -89,13 +98,58 @@ class Producer:
         with self._lock:
             return sum(t.held_blocks for t in self._tables.values())
 
-    def hold(self, request_id: str, num_blocks: int, lease_s: float | None = None) -> None:
-        """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired."""
-        now = time.monotonic()
+    def hold(
+        self,
+        request_id: str,
+        num_blocks: int | None = None,
+        lease_s: float | None = None,
+        *,
+        block_ids: Sequence[int] | None = None,
+    ) -> Lease:
+        """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired.
+
+        Args:
+            request_id: the request (unique among held ones).
+            num_blocks: blocks held (default: ``len(block_ids)``).
+            lease_s: lease (default ``config.lease_s``); finite, > 0.
+            block_ids: the producer's (logical) block ids of the request: a push naming
+                other remote blocks for this request is refused (FAILED). Pull reads
+                are one-sided, so for pull this is bookkeeping only.
+
+        Returns:
+            The lease: hand ``expires_at_ns`` (and ``generation``) to the consumer with
+            the block ids, so it never reads after the lease ended.
+        """
+        lease = self.config.lease_s if lease_s is None else check_seconds("lease_s", lease_s)
+        held = None if block_ids is None else frozenset(int(b) for b in block_ids)
+        if num_blocks is None:
+            if held is None:
+                raise LayoutError("hold needs num_blocks or block_ids")
+            num_blocks = len(held)
+        now, wall_ns = time.monotonic(), time.time_ns()
         with self._lock:
             for t in self._tables.values():
-                t.hold(request_id, num_blocks, now, lease_s)
+                t.hold(request_id, num_blocks, now, lease)
             self._pending_free[request_id] = set()
+            if held is not None:
+                self._held_ids[request_id] = held
+        return Lease(request_id, wall_ns + int(lease * 1e9), self.generation)
+
+    def release(self, request_id: str) -> bool:
+        """Stop holding ``request_id`` now, on every rank (the caller frees its blocks; it
+        is not reported by :meth:`pop_freed`). False if it was not held."""
+        with self._lock:
+            if self._pending_free.pop(request_id, None) is None:
+                return False
+            self._held_ids.pop(request_id, None)
+            for t in self._tables.values():
+                t.abort(request_id)
+            return True
+
+    def held_block_ids(self, request_id: str) -> frozenset[int] | None:
+        """The block ids given to :meth:`hold` for a held request (None: not given)."""
+        with self._lock:
+            return self._held_ids.get(request_id) if request_id in self._pending_free else None
 
     def pop_freed(self) -> list[tuple[str, FreeReason]]:
         """Requests released on every rank since the last call: the caller frees their blocks."""
@@ -105,22 +159,37 @@ class Producer:
 
     def _run(self) -> None:
         while not self._stop.wait(0.0005):
+            # pushes are queued after the whole batch: an Abort that arrived with its
+            # PushRequest (a producer resumed after SIGSTOP) cancels it before it starts
+            pushes: list[tuple[int, str, PushRequest, float]] = []
             for r in self.ranks:
                 try:
                     notifs = r.backend.get_notifs()
                 except KvxferError as e:
                     log.warning("rank %d: notifications failed: %s", r.rank, e)
                     continue
-                for msgs in notifs.values():
+                for agent, msgs in notifs.items():
                     for raw in msgs:
-                        self._on_msg(r.rank, raw)
+                        try:
+                            self._on_msg(r.rank, agent, raw, pushes)
+                        except Exception as e:  # one bad notice never stops the engine
+                            self._log_error("notification", e)
+            for push in pushes:
+                self._pusher.submit(*push)
             with self._lock:
                 now = time.monotonic()
-                for t in self._tables.values():
-                    t.expire(now)
+                for t in self._tables.values():  # the margin covers clock skew and latency
+                    t.expire(now - self.config.lease_margin_s)
                 self._collect()
 
-    def _on_msg(self, rank: int, raw: bytes) -> None:
+    def _log_error(self, what: str, e: Exception) -> None:
+        self.num_errors += 1
+        if self.num_errors == 1:  # logged once (with its traceback), then counted
+            log.exception("%s handling failed (logged once, counted after): %s", what, e)
+
+    def _on_msg(
+        self, rank: int, agent: str, raw: bytes, pushes: list[tuple[int, str, PushRequest, float]]
+    ) -> None:
         try:
             msg = decode_msg(raw)
         except KvxferError as e:
@@ -142,11 +211,16 @@ class Producer:
                 )
             elif isinstance(msg, Abort | Failed):
                 table.abort(msg.request_id)
+                self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
             elif isinstance(msg, PushRequest):
-                self._pusher.submit(rank, msg)
+                # the local deadline: the relative budget bounds it; time the message
+                # spent queued (by the sender's wall clock) can only shorten it
+                queued_s = max(0.0, (time.time_ns() - msg.sent_at_ns) / 1e9)
+                pushes.append((rank, agent, msg, now + msg.budget_ms / 1e3 - queued_s))
             elif isinstance(msg, LeaseRenew):
+                lease = max(self.config.lease_s, msg.budget_ms / 1e3)  # covers the deadline
                 for rid in msg.request_ids:
-                    table.renew(rid, now)
+                    table.renew(rid, now, lease)
             elif not isinstance(msg, Heartbeat):
                 self.num_rejected += 1
 
@@ -168,6 +242,7 @@ class Producer:
                 seen.add(rank)
                 if len(seen) == len(self._tables):
                     del self._pending_free[rid]
+                    self._held_ids.pop(rid, None)
                     self._freed.append((rid, reason))
 
     def close(self) -> None:

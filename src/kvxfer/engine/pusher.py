@@ -6,6 +6,15 @@ records on first contact (over the consumer's side channel), pairs the layouts f
 the consumer's point of view, prepares the two lists on the producer rank's agent and
 posts one WRITE per (consumer rank, producer rank) with a ``WriteDone`` notification.
 Failures are told to the consumer with ``Failed``.
+
+Deadlines and cancellation: a job carries its local deadline (see
+:class:`~kvxfer.wire.PushRequest`); the worker never starts a WRITE past it, releases a
+posted WRITE still running at it, and drops or releases a job on ``Abort``. Whenever
+it gives up on an attempt it tells the consumer with ``Cancelled`` (nothing more of
+that attempt will be written), which ends the consumer's quarantine of those blocks.
+A job is bound to the agent that sent its PushRequest, and that agent must be the
+consumer rank's agent in the records at ``consumer_address``; an Abort is obeyed only
+from it.
 """
 
 from __future__ import annotations
@@ -13,31 +22,66 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvxfer.engine.rank import RankCache
-from kvxfer.errors import KvxferError, TransferError
+from kvxfer.errors import KvxferError, PeerLostError, TransferError
 from kvxfer.planning.pairing import PeerPlan, pair_layouts
 from kvxfer.planning.request import plan_request
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp, XferState
 from kvxfer.transport.side_channel import fetch_records
-from kvxfer.wire import Failed, PushRequest, WriteDone, encode_msg, layout_from_record
+from kvxfer.wire import (
+    Failed,
+    LayoutRecord,
+    PushRequest,
+    WriteDone,
+    encode_msg,
+    layout_from_record,
+)
+from kvxfer.wire.messages import Cancelled
 
 __all__ = ["PushWorker"]
 
 log = logging.getLogger(__name__)
 
 
+MAX_CANCELLED = 4096  # remembered cancelled attempts (a bounded LRU)
+MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived thread)
+MAX_PARKED = 256  # pushes waiting for one consumer's records
+
+
 @dataclass(slots=True)
 class _ConsumerPeer:
     agents: dict[int, str]  # consumer rank -> agent name
     plans: dict[int, PeerPlan]  # consumer rank -> its pairing with this producer engine
+    generation: int = 0  # the consumer incarnation these agents belong to
     lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Job:
+    rank: int  # producer rank that received the request
+    sender: str  # agent that sent it: the job is bound to it
+    req: PushRequest
+    deadline: float  # local monotonic seconds
+    xfer: XferHandle | None = None
+    fetched: bool = False  # its consumer's records were fetched once already
+
+
+_Cmd = tuple[str, object] | None
 
 
 class PushWorker:
     """Serves PushRequests for the ranks of one producer engine, in one thread.
+
+    Thread-safety: :meth:`submit`, :meth:`cancel` and :meth:`close` may be called from
+    any thread (they queue commands); every NIXL call of push mode runs on the push
+    thread. The loop survives any exception: the one job fails with a typed error
+    (``Failed`` to its consumer) and the first such error is logged.
 
     Args:
         ranks: the producer's ranks by TP rank.
@@ -57,128 +101,319 @@ class PushWorker:
         on_written: Callable[[str, int, int, int], None],
         strided: bool = True,
         run_blocks: int = 1,
+        held_ids: Callable[[str], frozenset[int] | None] = lambda _: None,
     ) -> None:
         self._ranks = ranks
         self._generation = generation
         self._hash = compat_hash
         self._timeout_s = timeout_s
         self._on_written = on_written
+        self._held_ids = held_ids
         self._strided = strided
         self._run_blocks = run_blocks
-        self._jobs: queue.Queue[tuple[int, PushRequest] | None] = queue.Queue()
+        self._jobs: queue.Queue[_Cmd] = queue.Queue()
         self._peers: dict[str, _ConsumerPeer] = {}
-        self._writes: list[tuple[int, PushRequest, XferHandle, str]] = []
+        self._fetching: dict[str, list[_Job]] = {}  # address -> jobs waiting for its records
+        self._writes: list[_Job] = []
+        self._lock = threading.Lock()
+        self._cancelled: OrderedDict[tuple[int, str, int], None] = OrderedDict()
         self.num_failed = 0
+        self.num_cancelled = 0
+        self.num_errors = 0
         self._thread = threading.Thread(target=self._run, name="kvxfer-push", daemon=True)
         self._thread.start()
 
-    def submit(self, rank: int, req: PushRequest) -> None:
-        """Queue a push request received by producer rank ``rank``."""
-        self._jobs.put((rank, req))
+    def submit(self, rank: int, sender: str, req: PushRequest, deadline: float) -> None:
+        """Queue a push request received by producer rank ``rank`` from agent ``sender``;
+        no WRITE of it starts after ``deadline`` (monotonic seconds)."""
+        self._jobs.put(("push", _Job(rank, sender, req, deadline)))
+
+    def cancel(self, rank: int, sender: str, request_id: str, attempt: int) -> None:
+        """Abort from ``sender``: drop queued jobs of ``attempt`` at once, release its
+        posted WRITE on the push thread, then confirm with ``Cancelled``."""
+        with self._lock:
+            self._cancelled[(rank, sender, attempt)] = None
+            while len(self._cancelled) > MAX_CANCELLED:
+                self._cancelled.popitem(last=False)
+        self._jobs.put(("cancel", (rank, sender, request_id, attempt)))
 
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(5)
-        for _, _, x, _ in self._writes:
-            x.release()
+        for job in self._writes:
+            if job.xfer is not None:
+                job.xfer.release()
         self._writes = []
 
     def _run(self) -> None:
         while True:
             try:
-                job = self._jobs.get(timeout=0.0005 if self._writes else 0.05)
-                if job is None:
+                cmd = self._jobs.get(timeout=0.0005 if self._writes else 0.05)
+                if cmd is None:
                     return
-                self._start(*job)
+                self._do(cmd)
             except queue.Empty:
                 pass
-            self._poll()
+            except Exception as e:  # never dies: the job already failed typed in _do
+                self._log_error(e)
+            try:
+                self._poll()
+            except Exception as e:
+                self._log_error(e)
 
-    def _peer(self, address: str) -> _ConsumerPeer:
+    def _log_error(self, e: Exception) -> None:
+        self.num_errors += 1
+        if self.num_errors == 1:
+            log.exception("push worker error (logged once, counted after): %s", e)
+
+    def _do(self, cmd: tuple[str, object]) -> None:
+        kind, arg = cmd
+        if kind == "fetched":
+            address, out = cast(tuple[str, list[LayoutRecord] | Exception], arg)
+            self._fetched(address, out)
+            return
+        if kind == "cancel":
+            rank, sender, rid, attempt = cast(tuple[int, str, str, int], arg)
+            self._cancel(rank, sender, rid, attempt)
+            return
+        assert isinstance(arg, _Job)
+        try:
+            self._start(arg)
+        except KvxferError as e:
+            self._fail(arg, e)
+        except Exception as e:  # a non-kvxfer error fails this job only, typed, chained
+            err = TransferError(f"push {arg.req.request_id!r}: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._fail(arg, err)
+            raise
+
+    def _is_cancelled(self, job: _Job) -> bool:
+        with self._lock:
+            return (job.rank, job.sender, job.req.attempt) in self._cancelled
+
+    def _confirm(self, job: _Job) -> None:
+        """Tell the job's consumer rank nothing more of this attempt will be written."""
+        self.num_cancelled += 1
+        msg = Cancelled(job.req.request_id, self._generation, job.req.attempt, job.rank)
+        self._notify(job.rank, job.sender, msg)
+
+    def _notify(self, rank: int, agent: str, msg: Cancelled | Failed) -> None:
+        if not self._known(agent):
+            return  # never added: nothing was (or can be) written there
+        try:
+            self._ranks[rank].backend.send_notif(agent, encode_msg(msg))
+        except KvxferError as e:
+            log.debug("notice to %s: %s", agent, e)
+
+    def _known(self, agent: str) -> bool:
+        return any(agent in p.agents.values() for p in self._peers.values())
+
+    def _cancel(self, rank: int, sender: str, request_id: str, attempt: int) -> None:
+        still = []
+        for job in self._writes:
+            if (job.rank, job.sender, job.req.attempt) == (rank, sender, attempt):
+                self._release(job)
+            else:
+                still.append(job)
+        self._writes = still
+        msg = Cancelled(request_id, self._generation, attempt, rank)
+        self._notify(rank, sender, msg)  # idempotent: also for jobs done or never seen
+
+    def _release(self, job: _Job) -> None:
+        if job.xfer is not None:
+            try:
+                job.xfer.release()  # NIXL cancels a WRITE still in flight
+            except KvxferError as e:
+                log.debug("release of a cancelled write: %s", e)
+            job.xfer = None
+
+    def _peer(self, address: str, generation: int) -> _ConsumerPeer | None:
+        """The consumer peer at ``address`` (of ``generation``, 0: any), or None when its
+        records are still being fetched."""
         peer = self._peers.get(address)
-        if peer is not None:
+        if peer is not None and generation in (0, peer.generation):
             return peer
-        recs = fetch_records(address, None, self._hash, self._timeout_s)
+        return None
+
+    def _park(self, job: _Job) -> None:
+        """Park a job until its consumer's records arrive; fetch them in another thread
+        (bounded: MAX_FETCHES addresses at once, MAX_PARKED jobs per address)."""
+        address = job.req.consumer_address
+        parked = self._fetching.get(address)
+        if parked is not None:
+            if len(parked) >= MAX_PARKED:
+                raise TransferError(f"{MAX_PARKED} pushes already wait for {address}")
+            parked.append(job)
+            return
+        if len(self._fetching) >= MAX_FETCHES:
+            raise TransferError(f"{MAX_FETCHES} consumer contacts already in progress")
+        self._fetching[address] = [job]
+        threading.Thread(
+            target=self._fetch, args=(address,), name="kvxfer-push-fetch", daemon=True
+        ).start()
+
+    def _fetch(self, address: str) -> None:
+        try:
+            out: list[LayoutRecord] | Exception = fetch_records(
+                address, None, self._hash, self._timeout_s
+            )
+        except Exception as e:  # handed to the push thread, which fails the jobs typed
+            out = e
+        self._jobs.put(("fetched", (address, out)))
+
+    def _fetched(self, address: str, out: list[LayoutRecord] | Exception) -> None:
+        jobs = self._fetching.pop(address, [])
+        try:
+            if isinstance(out, Exception):
+                if isinstance(out, KvxferError):
+                    raise out
+                raise TransferError(f"records of {address}: {type(out).__name__}: {out}") from out
+            self._install(address, out)
+        except KvxferError as e:
+            for job in jobs:
+                self._fail(job, e)
+            return
+        for job in jobs:
+            try:
+                self._do(("push", job))
+            except Exception as e:  # that job already failed typed; the others go on
+                self._log_error(e)
+
+    def _install(self, address: str, recs: list[LayoutRecord]) -> None:
+        if address in self._peers:  # the consumer restarted at this address: forget the old one
+            self._drop(address)
+        gens = {r.generation for r in recs}
         layouts = {r.tp_rank: layout_from_record(r) for r in recs}
         mine = {p: c.layout for p, c in self._ranks.items()}
-        for cache in self._ranks.values():
-            for rec in recs:
-                cache.backend.add_remote(rec.agent_metadata)
         runs = self._run_blocks
         plans = {  # this process may host only some producer ranks: plan those
             d: pair_layouts(lay, mine, max_run_blocks=runs, require_all=False)
             for d, lay in layouts.items()
         }
-        peer = self._peers[address] = _ConsumerPeer({r.tp_rank: r.agent_name for r in recs}, plans)
-        return peer
+        for cache in self._ranks.values():
+            for rec in recs:
+                cache.backend.add_remote(rec.agent_metadata)
+        agents = {r.tp_rank: r.agent_name for r in recs}
+        self._peers[address] = _ConsumerPeer(agents, plans, min(gens, default=0))
 
-    def _start(self, rank: int, req: PushRequest) -> None:
-        agent = ""
-        try:
-            if req.generation != self._generation:
-                raise TransferError(
-                    f"push for generation {req.generation:x}, this is {self._generation:x}"
-                )
-            peer = self._peer(req.consumer_address)
-            agent = peer.agents[req.consumer_rank]
-            plan = peer.plans.get(req.consumer_rank)
-            if plan is None:
-                raise TransferError(f"unknown consumer rank {req.consumer_rank}")
-            src = next((s for s in plan.sources if s.rank == rank), None)
-            if src is None:
-                raise TransferError(
-                    f"consumer rank {req.consumer_rank} does not read producer rank {rank}"
-                )
-            backend = self._ranks[rank].backend
-            key = (req.consumer_rank, rank)
-            if key not in peer.lists:  # producer memory = the plan's remote side
-                mine = backend.prepare(src.remote_rows, strided=self._strided)
-                theirs = backend.prepare(src.local_rows, agent, strided=self._strided)
-                peer.lists[key] = (mine, theirs)
-            mine, theirs = peer.lists[key]
-            rp = plan_request(
-                plan,
-                req.local_block_ids,
-                req.remote_block_ids,
-                local_state_ids=req.local_state_ids,
-                remote_state_ids=req.remote_state_ids,
-                num_cached_blocks=req.num_cached_blocks,
+    def _drop(self, address: str) -> None:
+        peer = self._peers.pop(address)
+        for job in [j for j in self._writes if j.sender in peer.agents.values()]:
+            self._release(job)
+        self._writes = [j for j in self._writes if j.xfer is not None]
+        for cache in self._ranks.values():
+            for agent in peer.agents.values():
+                try:
+                    cache.backend.remove_remote(agent)  # its prepared lists go with it
+                except KvxferError as e:
+                    log.debug("remove_remote %s: %s", agent, e)
+
+    def _start(self, job: _Job) -> None:
+        req, rank = job.req, job.rank
+        if req.generation != self._generation:
+            raise TransferError(
+                f"push for generation {req.generation:x}, this is {self._generation:x}"
             )
-            ids = next(i for i in rp.sources if i.rank == rank)
-            done = encode_msg(WriteDone(req.request_id, self._generation, rank, len(self._ranks)))
-            if ids.num_descriptors == 0:
-                backend.send_notif(agent, done)
-                self._on_written(req.request_id, rank, req.consumer_rank, req.consumer_size)
-                return
-            x = backend.make_xfer(XferOp.WRITE, mine, ids.remote_ids, theirs, ids.local_ids, done)
-            backend.post(x)
-            self._writes.append((rank, req, x, agent))
-        except KvxferError as e:
-            self._fail(rank, req, agent, e)
+        if self._is_cancelled(job) or time.monotonic() >= job.deadline:
+            self._confirm(job)  # never start a write past the deadline or after Abort
+            return
+        peer = self._peer(req.consumer_address, req.consumer_generation)
+        if peer is None:
+            if job.fetched:
+                raise TransferError(
+                    f"{req.consumer_address} does not run generation {req.consumer_generation}"
+                )
+            job.fetched = True
+            self._park(job)
+            return
+        if peer.agents.get(req.consumer_rank) != job.sender:
+            job.sender = ""  # not the consumer it names: tell no one, write nothing
+            raise TransferError(
+                f"push {req.request_id!r} for consumer rank {req.consumer_rank} of "
+                f"{req.consumer_address} did not come from that rank's agent"
+            )
+        held = self._held_ids(req.request_id)
+        if held is not None and not held.issuperset(req.remote_block_ids):
+            stray = sorted(set(req.remote_block_ids) - held)[:8]
+            raise TransferError(f"push {req.request_id!r}: blocks {stray} are not held for it")
+        plan = peer.plans.get(req.consumer_rank)
+        if plan is None:
+            raise TransferError(f"unknown consumer rank {req.consumer_rank}")
+        src = next((s for s in plan.sources if s.rank == rank), None)
+        if src is None:
+            raise TransferError(
+                f"consumer rank {req.consumer_rank} does not read producer rank {rank}"
+            )
+        backend = self._ranks[rank].backend
+        key = (req.consumer_rank, rank)
+        if key not in peer.lists:  # producer memory = the plan's remote side
+            mine = backend.prepare(src.remote_rows, strided=self._strided)
+            theirs = backend.prepare(src.local_rows, job.sender, strided=self._strided)
+            peer.lists[key] = (mine, theirs)
+        mine, theirs = peer.lists[key]
+        rp = plan_request(
+            plan,
+            req.local_block_ids,
+            req.remote_block_ids,
+            local_state_ids=req.local_state_ids,
+            remote_state_ids=req.remote_state_ids,
+            num_cached_blocks=req.num_cached_blocks,
+        )
+        ids = next(i for i in rp.sources if i.rank == rank)
+        done = WriteDone(req.request_id, self._generation, rank, len(self._ranks), req.attempt)
+        if self._is_cancelled(job) or time.monotonic() >= job.deadline:
+            self._confirm(job)  # the fetch took the time that was left
+            return
+        if ids.num_descriptors == 0:
+            backend.send_notif(job.sender, encode_msg(done))
+            self._on_written(req.request_id, rank, req.consumer_rank, req.consumer_size)
+            return
+        job.xfer = backend.make_xfer(
+            XferOp.WRITE, mine, ids.remote_ids, theirs, ids.local_ids, encode_msg(done)
+        )
+        self._writes.append(job)
+        backend.post(job.xfer)
 
     def _poll(self) -> None:
         still = []
-        for rank, req, x, agent in self._writes:
+        now = time.monotonic()
+        for job in self._writes:
+            x = job.xfer
+            if x is None:
+                continue
             try:
-                if self._ranks[rank].backend.poll(x) is XferState.IN_PROGRESS:
-                    still.append((rank, req, x, agent))
+                if self._ranks[job.rank].backend.poll(x) is XferState.IN_PROGRESS:
+                    if now >= job.deadline:  # the consumer gave up: stop writing into it
+                        self._release(job)
+                        self._confirm(job)
+                        continue
+                    still.append(job)
                     continue
-                x.release()
-                self._on_written(req.request_id, rank, req.consumer_rank, req.consumer_size)
+                self._release(job)
+                req = job.req
+                self._on_written(req.request_id, job.rank, req.consumer_rank, req.consumer_size)
             except KvxferError as e:
-                x.release()
-                self._fail(rank, req, agent, e)
+                self._release(job)
+                self._fail(job, e)
         self._writes = still
 
-    def _fail(self, rank: int, req: PushRequest, agent: str, error: KvxferError) -> None:
+    def _fail(self, job: _Job, error: KvxferError) -> None:
         self.num_failed += 1
-        log.warning("push %s from rank %d failed: %s", req.request_id, rank, error)
-        if not agent:
+        self._release(job)
+        self._writes = [j for j in self._writes if j is not job]
+        req = job.req
+        log.warning("push %s from rank %d failed: %s", req.request_id, job.rank, error)
+        peer = self._peers.get(req.consumer_address)
+        if (
+            isinstance(error, PeerLostError)
+            and peer is not None
+            and job.sender in peer.agents.values()
+        ):
+            self._drop(req.consumer_address)  # disconnected: forget it (no leak, no stale agent)
+            return
+        if not job.sender:
             return  # the consumer is unknown: it learns by its deadline
-        try:
-            msg = Failed(
-                req.request_id, self._generation, f"{type(error).__name__}: {error}"[:1000]
-            )
-            self._ranks[rank].backend.send_notif(agent, encode_msg(msg))
-        except KvxferError as e:
-            log.debug("failure notice to %s: %s", agent, e)
+        reason = f"{type(error).__name__}: {error}"[:1000]
+        self._notify(
+            job.rank, job.sender, Failed(req.request_id, self._generation, reason, req.attempt)
+        )

@@ -3,17 +3,19 @@ request in flight (:class:`Transfer`)."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.engine.config import RequestState
-from kvxfer.errors import DeadlineError, KvxferError
+from kvxfer.engine.config import RequestState, check_seconds
+from kvxfer.errors import KvxferError, WaitTimeout
 from kvxfer.planning.pairing import PeerPlan
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp
 
@@ -26,13 +28,24 @@ class RequestDriver(Protocol):
         """Advance ``transfer``'s state machine one step and return its state."""
         ...
 
+    def cancel(self, transfer: Transfer) -> None:
+        """End ``transfer`` ABORTED (unless terminal) and tell its producer."""
+        ...
 
-__all__ = ["PeerInfo", "Transfer", "num_bytes"]
+    def is_quarantined(self, transfer: Transfer) -> bool:
+        """Whether a producer may still write into ``transfer``'s local blocks."""
+        ...
+
+
+__all__ = ["PeerInfo", "Transfer", "new_attempt", "num_bytes"]
 
 
 @dataclass(slots=True)
 class PeerInfo:
     """A producer engine this consumer has contacted (or is contacting).
+
+    Thread-safety: written by its handshake thread until ``ready`` is set, read-only
+    afterwards (``error`` may be set once more by a heartbeat verdict).
 
     Attributes:
         address: the producer's side-channel endpoint.
@@ -63,9 +76,23 @@ class PeerInfo:
         return [a.strip() for a in self.address.split(",") if a.strip()]
 
 
+def new_attempt() -> int:
+    """A random nonzero 63-bit id for one request attempt (0 means "none" on the wire)."""
+    return secrets.randbits(63) or 1
+
+
 @dataclass(slots=True, eq=False)
 class Transfer:
-    """One request read by every (selected) local rank. Poll or wait; never blocks forever."""
+    """One request attempt moved by every (selected) local rank. Poll or wait; never
+    blocks forever.
+
+    Thread-safety: one Transfer is driven by one caller thread at a time (poll, wait,
+    result, cancel); the consumer's notification thread only adds to ``written``,
+    ``settled`` and ``failed_reason`` under the consumer's inbox lock.
+
+    ``attempt`` is unique per read()/push() call and carried by every notification
+    about it; a notice for another attempt of the same request id is dropped.
+    """
 
     request_id: str
     consumer: RequestDriver
@@ -89,13 +116,41 @@ class Transfer:
     expected: set[tuple[int, int]] = field(default_factory=set)  # push: (local, producer rank)
     generation: int | Mapping[int, int] | None = None  # the producer incarnation(s) holding it
     rechecked: bool = False
+    recheck: Future[dict[int, int]] | None = None  # refetched generations (wrong pin?)
+    keep_peer: bool = False  # a failure of this request alone: do not drop the peer
+    attempt: int = field(default_factory=new_attempt)
+    written: set[tuple[int, int]] = field(default_factory=set)  # push: WriteDone seen
+    settled: set[tuple[int, int]] = field(default_factory=set)  # push: Cancelled seen
+    failed_reason: str | None = None  # push: the producer's Failed notice
+    lease_expires_at_ns: int | None = None  # pull: the producer's lease end (its wall clock)
+    quarantine_until: float = 0.0  # push: monotonic bound of the quarantine (see RequestState)
+
+    @property
+    def quarantined(self) -> bool:
+        """True while a producer may still write into this request's local blocks (a push
+        that did not end DONE and whose producer has not confirmed cancellation yet):
+        do not reuse the blocks until it turns False. Always False for pull."""
+        return self.consumer.is_quarantined(self)
+
+    def cancel(self) -> RequestState:
+        """Give up on the request: it ends ABORTED (unless already terminal) and the
+        producer is told (it frees the blocks; a push stops writing, see
+        :attr:`quarantined`). Returns the final state."""
+        self.consumer.cancel(self)
+        return self.state
 
     def poll(self) -> RequestState:
         """Advance the request and return its state (terminal states stay put)."""
         return self.consumer.advance(self)
 
     def wait(self, timeout_s: float | None = None) -> RequestState:
-        """Poll until terminal or ``timeout_s`` (the request's own deadline always applies)."""
+        """Poll until terminal or ``timeout_s`` (the request's own deadline always applies).
+
+        Raises:
+            LayoutError (a ValueError): ``timeout_s`` is NaN, infinite or negative.
+        """
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s, allow_zero=True)
         until = (
             self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
         )
@@ -110,13 +165,18 @@ class Transfer:
         return self.state
 
     def result(self, timeout_s: float | None = None) -> None:
-        """Wait; raise the request's error unless it ended DONE."""
+        """Wait; raise the request's error unless it ended DONE.
+
+        Raises:
+            WaitTimeout: the caller's ``timeout_s`` ran out first (the request goes on).
+            DeadlineError: the request's own deadline passed (it ended TIMEOUT).
+        """
         state = self.wait(timeout_s)
         if state is RequestState.DONE:
             return
         if self.error is not None:
             raise self.error
-        raise DeadlineError(f"request {self.request_id!r} still {state.value} after {timeout_s} s")
+        raise WaitTimeout(f"request {self.request_id!r} still {state.value} after {timeout_s} s")
 
     @property
     def latency_s(self) -> float:

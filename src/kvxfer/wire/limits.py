@@ -9,7 +9,8 @@ local one, and only then decodes the payload; every size is bounded before
 anything is allocated (see the ``MAX_*`` constants). Notifications are a tagged
 union (tag field ``"t"``) of small Structs, as are side-channel requests/replies.
 
-Schema evolution rules (``SCHEMA_VERSION`` = 1):
+Schema evolution rules (``SCHEMA_VERSION`` = 2; 2 added attempt ids, whose meaning
+-- a notice for an attempt that is not live is dropped -- old peers cannot honour):
 
 1. A new field is appended with a default, so old payloads still decode; decoders
    ignore fields they do not know, so new payloads decode on old peers.
@@ -30,7 +31,7 @@ from msgspec import Meta
 
 from kvxfer.errors import ProtocolError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 MAX_RECORD_BYTES = 16 << 20  # one encoded envelope
 MAX_AGENT_METADATA_BYTES = 8 << 20  # NIXL agent blobs: a few KB to ~1 MB

@@ -26,7 +26,13 @@ from kvxfer.wire.limits import (
 from kvxfer.wire.limits import decode_bounded as _decode
 
 # ---------------------------------------------------------------- notifications
-# Tags in use (never reuse one): rd wd ab fl lr hb | get recs err
+# Tags in use (never reuse one): rd wd ab fl lr hb pr cx | get recs err
+#
+# Attempt ids (schema 2): every request-scoped notification carries the ``attempt`` of
+# the consumer's request attempt (a random 63-bit id per read()/push() call). Receivers
+# drop notices whose attempt is not live, so a retry with the same request id is never
+# completed, failed or aborted by an earlier attempt's notices. 0 means "no attempt"
+# (a schema-1 sender) and is never live.
 
 
 class _Msg(Struct, frozen=True, tag_field="t"):
@@ -40,6 +46,7 @@ class ReadDone(_Msg, frozen=True, tag="rd"):
     generation: U64
     consumer_rank: SmallInt
     consumer_size: SmallInt
+    attempt: U64 = 0
 
 
 class WriteDone(_Msg, frozen=True, tag="wd"):
@@ -49,6 +56,7 @@ class WriteDone(_Msg, frozen=True, tag="wd"):
     generation: U64
     producer_rank: SmallInt
     producer_size: SmallInt
+    attempt: U64 = 0
 
 
 class Abort(_Msg, frozen=True, tag="ab"):
@@ -57,6 +65,7 @@ class Abort(_Msg, frozen=True, tag="ab"):
     request_id: RequestId
     generation: U64
     reason: Reason = ""
+    attempt: U64 = 0
 
 
 class Failed(_Msg, frozen=True, tag="fl"):
@@ -65,6 +74,7 @@ class Failed(_Msg, frozen=True, tag="fl"):
     request_id: RequestId
     generation: U64
     reason: Reason = ""
+    attempt: U64 = 0
 
 
 class LeaseRenew(_Msg, frozen=True, tag="lr"):
@@ -72,6 +82,8 @@ class LeaseRenew(_Msg, frozen=True, tag="lr"):
 
     request_ids: Annotated[tuple[RequestId, ...], Meta(max_length=MAX_LEASE_IDS)]
     generation: U64
+    attempts: Annotated[tuple[U64, ...], Meta(max_length=MAX_LEASE_IDS)] = ()  # per request id
+    budget_ms: U64 = 0  # > 0: extend to cover this much more (the request's deadline)
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
@@ -91,6 +103,14 @@ class PushRequest(_Msg, frozen=True, tag="pr"):
     ``consumer_address`` is the consumer engine's side channel (the producer fetches its
     records there on first contact). ``*_block_ids`` are logical ids as in
     :func:`kvxfer.planning.request.plan_request` (``local`` = the consumer's).
+
+    Deadline (clocks of two processes differ, so no absolute time is trusted):
+    ``budget_ms`` is what was left of the request's deadline when the consumer sent
+    it; the producer's local deadline is ``receipt + budget_ms - max(0, now_wall -
+    sent_at_ns)``: the relative budget bounds it, the sender's wall clock can only
+    shorten it (a message that sat in a queue while the producer was stopped). The
+    producer never starts a write past it. ``consumer_generation`` names the
+    consumer incarnation whose records the producer must write into.
     """
 
     request_id: RequestId
@@ -103,9 +123,23 @@ class PushRequest(_Msg, frozen=True, tag="pr"):
     local_state_ids: BlockIds | None = None
     remote_state_ids: BlockIds | None = None
     num_cached_blocks: SmallInt = 0
+    attempt: U64 = 0
+    budget_ms: U64 = 0
+    sent_at_ns: U64 = 0
+    consumer_generation: U64 = 0
 
 
-Msg = ReadDone | WriteDone | Abort | Failed | LeaseRenew | Heartbeat | PushRequest
+class Cancelled(_Msg, frozen=True, tag="cx"):
+    """Push: producer rank ``producer_rank`` will write nothing more for this attempt
+    (queued job dropped, posted WRITE released, or deadline passed)."""
+
+    request_id: RequestId
+    generation: U64
+    attempt: U64
+    producer_rank: SmallInt
+
+
+Msg = ReadDone | WriteDone | Abort | Failed | LeaseRenew | Heartbeat | PushRequest | Cancelled
 _MSG = msgspec.msgpack.Decoder(Msg)
 
 

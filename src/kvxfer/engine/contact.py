@@ -1,0 +1,206 @@
+"""First contact of a consumer with producers (a background thread per new producer),
+peer drops, and the refetch that checks a request's generation pin (issue 9 item 10).
+
+:class:`FirstContact` is the part of :class:`~kvxfer.engine.consumer.Consumer` that
+owns :class:`PeerInfo` objects; the consumer supplies the attributes declared here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import NoReturn
+
+from kvxfer.engine.config import EngineConfig, check_seconds
+from kvxfer.engine.liveness import PeerMonitor
+from kvxfer.engine.rank import RankCache
+from kvxfer.engine.transfer import PeerInfo, Transfer
+from kvxfer.errors import ClosedError, KvxferError, LayoutError, PeerLostError
+from kvxfer.planning.pairing import pair_layouts
+from kvxfer.transport.side_channel import fetch_records
+from kvxfer.wire import LayoutRecord, layout_from_record
+
+__all__ = ["FirstContact"]
+
+log = logging.getLogger(__name__)
+
+
+class FirstContact:
+    """Peers of a consumer: contact, drop, recheck. Thread-safe (see Consumer)."""
+
+    config: EngineConfig
+    compat_hash: str
+    ranks: dict[int, RankCache]
+    _closed: bool
+    _lock: threading.Lock  # the peers dict
+    _engine_lock: threading.RLock  # NIXL calls and peer bookkeeping
+    _peers: dict[str, PeerInfo]
+    _monitor: PeerMonitor
+
+    def connect(self, address: str, timeout_s: float | None = None) -> PeerInfo:
+        """Contact ``address`` now (blocking) unless already known; raise its error if it failed."""
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s)
+        peer = self._peer(address)
+        if not peer.ready.wait(
+            self.config.handshake_timeout_s * 2 if timeout_s is None else timeout_s
+        ):
+            raise PeerLostError(f"first contact with {address} did not finish")
+        if peer.error is not None:
+            raise peer.error
+        return peer
+
+    def _peer(self, address: str) -> PeerInfo:
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = PeerInfo(address)
+                threading.Thread(
+                    target=self._handshake, args=(peer,), name="kvxfer-handshake", daemon=True
+                ).start()
+            return peer
+
+    def _handshake(self, peer: PeerInfo) -> None:
+        t0 = time.perf_counter()
+        try:
+            # one endpoint per producer process: "tcp://a:1" or "tcp://a:1,tcp://b:1,..."
+            by_endpoint = {
+                ep: fetch_records(ep, None, self.compat_hash, self.config.handshake_timeout_s)
+                for ep in peer.endpoints
+            }
+            recs = [r for rs in by_endpoint.values() for r in rs]
+            if len({r.tp_rank for r in recs}) != len(recs):
+                raise LayoutError(f"{peer.address}: several records claim the same TP rank")
+            layouts = {r.tp_rank: layout_from_record(r) for r in recs}
+            peer.generations = {r.tp_rank: r.generation for r in recs}
+            names = {r.tp_rank: r.agent_name for r in recs}
+            t1 = time.perf_counter()  # fetched and decoded
+            # plan before touching NIXL: an incompatible peer leaves no agent behind
+            runs = self.config.run_blocks
+            peer.plans = {
+                d: pair_layouts(c.layout, layouts, max_run_blocks=runs)
+                for d, c in self.ranks.items()
+            }
+            t2 = time.perf_counter()
+            with self._engine_lock:
+                if self._closed:
+                    raise ClosedError("consumer closed during first contact")
+                self._add_agents(peer, recs, names)
+            t3 = time.perf_counter()
+            with self._engine_lock:
+                if self._closed:
+                    raise ClosedError("consumer closed during first contact")
+                self._prepare(peer, names)
+            t4 = time.perf_counter()
+            peer.timings_s = {
+                "fetch": t1 - t0,
+                "build": t2 - t1,
+                "add_agent": t3 - t2,
+                "prepare": t4 - t3,
+            }
+            self._monitor.watch(
+                peer.address, {ep: {r.generation for r in rs} for ep, rs in by_endpoint.items()}
+            )
+        except KvxferError as e:
+            self._contact_failed(peer, e)
+        except Exception as e:  # any other error (a ZMQ one too) fails this contact, typed
+            log.warning("first contact with %s failed: %r", peer.address, e)
+            err = PeerLostError(f"first contact with {peer.address}: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._contact_failed(peer, err)
+        finally:
+            peer.ready.set()
+
+    def _contact_failed(self, peer: PeerInfo, error: KvxferError) -> None:
+        peer.error = error
+        with self._lock:
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]  # the next request tries again
+
+    def _add_agents(
+        self, peer: PeerInfo, recs: Sequence[LayoutRecord], names: dict[int, str]
+    ) -> None:
+        for cache in self.ranks.values():
+            for rec in recs:
+                cache.backend.add_remote(rec.agent_metadata)
+        peer.agents = names
+
+    def _prepare(self, peer: PeerInfo, names: dict[int, str]) -> None:
+        for d, plan in peer.plans.items():
+            backend = self.ranks[d].backend
+            for src in plan.sources:
+                loc = backend.prepare(src.local_rows, strided=self.config.strided)
+                rem = backend.prepare(src.remote_rows, names[src.rank], strided=self.config.strided)
+                peer.lists[(d, src.rank)] = (loc, rem)
+                peer.num_rows += src.num_rows * 2
+                peer.num_descriptors += loc.num_descriptors + rem.num_descriptors
+
+    def _drop_peer(self, peer: PeerInfo) -> None:
+        """Forget a dead or restarted peer: its agents, lists and handles become invalid."""
+        with self._engine_lock:
+            with self._lock:
+                if self._peers.get(peer.address) is not peer:
+                    return  # already dropped (or replaced by a newer handshake)
+                del self._peers[peer.address]
+                self._monitor.forget(peer.address)
+            for cache in self.ranks.values():
+                for agent in peer.agents.values():
+                    try:
+                        cache.backend.remove_remote(agent)
+                    except KvxferError as e:
+                        log.debug("remove_remote %s: %s", agent, e)
+
+    def _recheck(self, t: Transfer) -> None:
+        """A request pinned to another generation than the peer's: refetch the producer's
+        records (in a thread) and compare before dropping anything. Same generations as
+        known: the pin is wrong, only this request fails (the peer stays, so concurrent
+        reads that pinned the right generation go on). Changed: the producer restarted
+        unnoticed, so the peer is dropped and contacted again (once per request)."""
+        if t.rechecked:  # already re-handshaken for this request: the pin is wrong
+            self._wrong_pin(t)
+        if t.recheck is None:
+            t.recheck = Future()
+            threading.Thread(
+                target=self._fetch_generations, args=(t.peer, t.recheck), daemon=True,
+                name="kvxfer-recheck",
+            ).start()  # fmt: skip
+            return
+        if not t.recheck.done():
+            return
+        try:
+            now = t.recheck.result()
+        except KvxferError as e:
+            t.keep_peer = True  # the heartbeat decides about the peer, not this request
+            raise PeerLostError(
+                f"request {t.request_id!r}: rechecking {t.peer.address}: {e}"
+            ) from e
+        if now == t.peer.generations:
+            self._wrong_pin(t)
+        t.rechecked = True
+        self._drop_peer(t.peer)
+        t.peer = self._peer(t.peer.address)
+
+    def _wrong_pin(self, t: Transfer) -> NoReturn:
+        t.keep_peer = True
+        raise PeerLostError(
+            f"request {t.request_id!r} was prefilled by generation {t.generation}; "
+            f"{t.peer.address} runs {t.peer.generations}"
+        )
+
+    def _fetch_generations(self, peer: PeerInfo, out: Future[dict[int, int]]) -> None:
+        try:
+            recs = [
+                r
+                for ep in peer.endpoints
+                for r in fetch_records(ep, None, self.compat_hash, self.config.handshake_timeout_s)
+            ]
+            out.set_result({r.tp_rank: r.generation for r in recs})
+        except KvxferError as e:
+            out.set_exception(e)
+        except Exception as e:  # typed, chained
+            err = PeerLostError(f"{peer.address}: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            out.set_exception(err)

@@ -1,0 +1,142 @@
+"""The consumer's notification inbox: a background thread that drains every local rank's
+NIXL notifications (bounded: nothing piles up, even on a pull-only consumer) and hands
+push notices to the live request attempt they name.
+
+A notice is obeyed only when all of these hold: its ``attempt`` is live here, its
+request id matches that attempt's, it came from the agent of the producer rank the
+attempt is bound to (the sender name comes with the NIXL notification), and it names
+that rank's generation. Anything else is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+from kvxfer.engine.rank import RankCache
+from kvxfer.engine.transfer import Transfer
+from kvxfer.errors import KvxferError
+from kvxfer.transport.nixl import XferOp
+from kvxfer.wire import Failed, WriteDone, decode_msg
+from kvxfer.wire.messages import Cancelled
+
+__all__ = ["Inbox"]
+
+log = logging.getLogger(__name__)
+
+BUSY_S = 0.0005  # drain interval while push attempts are live (they wait for notices)
+IDLE_S = 0.01  # otherwise (unsolicited notices still drain: bounded memory)
+
+
+class Inbox:
+    """Live push attempts by attempt id, and the thread that drains notifications.
+
+    Thread-safe: :meth:`add`, :meth:`discard`, :meth:`status` and :meth:`live` may be
+    called from any thread; the attempt sets of a Transfer are read and written under
+    the inbox lock only.
+    """
+
+    def __init__(self, ranks: Mapping[int, RankCache]) -> None:
+        self._ranks = dict(ranks)
+        self._live: dict[int, Transfer] = {}
+        self._num_push = 0  # live push attempts (pull ones need no fast drain)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.num_rejected = 0  # malformed or unexpected notices
+        self.num_stale = 0  # attempts not live here (late, retried, or forged ids)
+        self.num_forged = 0  # from an agent the attempt is not bound to
+        self._logged_error = False
+        self._thread = threading.Thread(target=self._run, name="kvxfer-inbox", daemon=True)
+        self._thread.start()
+
+    def add(self, t: Transfer) -> None:
+        with self._lock:
+            self._live[t.attempt] = t
+            self._num_push += t.op is XferOp.WRITE
+
+    def discard(self, t: Transfer) -> None:
+        with self._lock:
+            if self._live.pop(t.attempt, None) is not None:
+                self._num_push -= t.op is XferOp.WRITE
+
+    def live(self) -> list[Transfer]:
+        with self._lock:
+            return list(self._live.values())
+
+    @property
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def status(self, t: Transfer) -> tuple[bool, str | None, bool]:
+        """``(every expected rank wrote, the producer's failure reason, every expected
+        rank wrote or confirmed cancellation)`` of a push attempt."""
+        with self._lock:
+            done = t.expected <= t.written
+            return done, t.failed_reason, t.expected <= (t.written | t.settled)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(BUSY_S if self._num_push else IDLE_S):
+            try:
+                self.drain()
+            except Exception as e:  # the loop survives anything; say so once
+                if not self._logged_error:
+                    self._logged_error = True
+                    log.exception("notification drain failed (logged once): %s", e)
+
+    def drain(self) -> None:
+        """Take every rank's notifications and dispatch them; prune settled attempts."""
+        for d, cache in self._ranks.items():
+            if self._stop.is_set():
+                return
+            try:
+                notifs = cache.backend.get_notifs()
+            except KvxferError as e:
+                log.debug("rank %d: notifications: %s", d, e)
+                continue
+            for agent, msgs in notifs.items():
+                for raw in msgs:
+                    self._dispatch(d, agent, raw)
+        now = time.monotonic()
+        with self._lock:
+            for a, t in list(self._live.items()):
+                if t.state.is_terminal and (
+                    t.expected <= (t.written | t.settled) or now >= t.quarantine_until
+                ):
+                    del self._live[a]
+                    self._num_push -= t.op is XferOp.WRITE
+
+    def _dispatch(self, d: int, agent: str, raw: bytes) -> None:
+        try:
+            msg = decode_msg(raw)
+        except KvxferError:
+            self.num_rejected += 1
+            return
+        if not isinstance(msg, WriteDone | Failed | Cancelled):
+            self.num_rejected += 1
+            return
+        with self._lock:
+            t = self._live.get(msg.attempt)
+            if t is None or t.request_id != msg.request_id:
+                self.num_stale += 1
+                return
+            agents, gens = t.peer.agents, t.peer.generations
+            rank = next((r for r, name in agents.items() if name == agent), None)
+            if rank is None or gens.get(rank) != msg.generation:
+                self.num_forged += 1
+                return
+            if isinstance(msg, Failed):
+                if t.failed_reason is None:
+                    t.failed_reason = msg.reason or "failed"
+                return
+            if msg.producer_rank != rank:
+                self.num_forged += 1
+                return
+            (t.written if isinstance(msg, WriteDone) else t.settled).add((d, rank))
