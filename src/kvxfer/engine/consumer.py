@@ -95,13 +95,18 @@ class Consumer(FirstContact):
             records = encode_records(self.ranks.values(), self.generation, self.compat_hash)
             # push mode: producers fetch this engine's records here
             self.server: SideChannelServer | None = SideChannelServer(
-                config.side_channel_addr, records
+                config.side_channel_addr,
+                records,
+                auth_key=config.auth_key,
+                identity=config.engine_id,
             ).start()
         except BaseException:
             self.close()
             raise
         self._inbox = Inbox(self.ranks)
-        self._monitor = PeerMonitor(self.compat_hash, config.heartbeat_s, self._on_peer_lost)
+        self._monitor = PeerMonitor(
+            self.compat_hash, config.heartbeat_s, self._on_peer_lost, auth_key=config.auth_key
+        )
         self._warm_up()
 
     def _warm_up(self) -> None:

@@ -68,7 +68,13 @@ class FirstContact:
         try:
             # one endpoint per producer process: "tcp://a:1" or "tcp://a:1,tcp://b:1,..."
             by_endpoint = {
-                ep: fetch_records(ep, None, self.compat_hash, self.config.handshake_timeout_s)
+                ep: fetch_records(
+                    ep,
+                    None,
+                    self.compat_hash,
+                    self.config.handshake_timeout_s,
+                    auth_key=self.config.auth_key,
+                )
                 for ep in peer.endpoints
             }
             recs = [r for rs in by_endpoint.values() for r in rs]
@@ -195,7 +201,13 @@ class FirstContact:
             recs = [
                 r
                 for ep in peer.endpoints
-                for r in fetch_records(ep, None, self.compat_hash, self.config.handshake_timeout_s)
+                for r in fetch_records(
+                    ep,
+                    None,
+                    self.compat_hash,
+                    self.config.handshake_timeout_s,
+                    auth_key=self.config.auth_key,
+                )
             ]
             out.set_result({r.tp_rank: r.generation for r in recs})
         except KvxferError as e:

@@ -44,8 +44,10 @@ class PeerMonitor:
         interval_s: float,
         on_lost: Callable[[str, str, set[int]], None],
         max_misses: int = 3,
+        auth_key: bytes | None = None,
     ) -> None:
         self._hash = compat_hash
+        self._auth_key = auth_key
         self._interval_s = interval_s
         self._on_lost = on_lost
         self._max_misses = max_misses
@@ -97,7 +99,9 @@ class PeerMonitor:
 
     def _probe(self, key: str, endpoint: str, gens: set[int], misses: int) -> str | None:
         try:
-            recs = fetch_records(endpoint, None, self._hash, self._interval_s)
+            recs = fetch_records(
+                endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key
+            )
         except PeerLostError:
             with self._lock:
                 if key in self._peers and endpoint in self._peers[key]:

@@ -70,7 +70,12 @@ class Producer:
             self.num_rejected = 0
             self.num_errors = 0
             records = encode_records(self.ranks, self.generation, self.compat_hash)
-            self.server = SideChannelServer(config.side_channel_addr, records).start()
+            self.server = SideChannelServer(
+                config.side_channel_addr,
+                records,
+                auth_key=config.auth_key,
+                identity=config.engine_id,
+            ).start()
             self._pusher = PushWorker(
                 {r.rank: r for r in self.ranks},
                 self.generation,
@@ -80,6 +85,7 @@ class Producer:
                 held_ids=self.held_block_ids,
                 strided=config.strided,
                 run_blocks=config.run_blocks,
+                auth_key=config.auth_key,
             )
         except BaseException:
             self.close()

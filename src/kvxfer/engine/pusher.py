@@ -101,8 +101,10 @@ class PushWorker:
         on_written: Callable[[str, int, int, int], None],
         strided: bool = True,
         run_blocks: int = 1,
+        auth_key: bytes | None = None,
         held_ids: Callable[[str], frozenset[int] | None] = lambda _: None,
     ) -> None:
+        self._auth_key = auth_key
         self._ranks = ranks
         self._generation = generation
         self._hash = compat_hash
@@ -255,7 +257,7 @@ class PushWorker:
     def _fetch(self, address: str) -> None:
         try:
             out: list[LayoutRecord] | Exception = fetch_records(
-                address, None, self._hash, self._timeout_s
+                address, None, self._hash, self._timeout_s, auth_key=self._auth_key
             )
         except Exception as e:  # handed to the push thread, which fails the jobs typed
             out = e

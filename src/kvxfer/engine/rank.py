@@ -51,6 +51,7 @@ class RankCache:
                 progress_delay_us=config.progress_delay_us,
                 thread_safe=True,
                 backend_params=dict(config.backend_params),
+                auth_key=config.auth_key,
             )
         )
         try:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.errors import (
+    AuthError,
     BackendUnavailableError,
     ConfigError,
     KvxferError,
@@ -41,6 +42,7 @@ from kvxfer.transport.backend import (
     check_rows,
 )
 from kvxfer.transport.handles import PreparedList, XferHandle
+from kvxfer.wire.auth import open_notification, seal_notification
 
 __all__ = [
     "NIXL_INSTALL_LINE",
@@ -173,8 +175,11 @@ class NixlBackend:
         num_threads: int = 0,
         backend_params: Mapping[str, str] | None = None,
         thread_safe: bool = False,
+        auth_key: bytes | None = None,
     ) -> None:
         _require()
+        self._auth_key = auth_key
+        self.num_unauthenticated = 0  # notifications dropped: not sealed with our key
         if progress_delay_us < 0 or num_threads < 0:
             raise ConfigError(
                 f"progress_delay_us and num_threads must be >= 0, got {progress_delay_us}, "
@@ -399,6 +404,8 @@ class NixlBackend:
             raise LayoutError(f"local_ids has {lids.size} ids, remote_ids {rids.size}")
         code = _nixl.NIXL_READ if op is XferOp.READ else _nixl.NIXL_WRITE
         with _translate(f"make {op.value}", remote.remote_agent):
+            if notif and self._auth_key is not None:
+                notif = seal_notification(self._auth_key, self.name, notif)
             raw = agent.makeXferReq(code, lhandle, lids, rhandle, rids, notif, [], False)
         xfer = XferHandle(self, int(raw), op, remote.remote_agent, int(lids.size))
         self._xfers[xfer._live()] = xfer
@@ -450,6 +457,8 @@ class NixlBackend:
             remote_agent: a peer added with :meth:`add_remote`.
             msg: payload, delivered as bytes, in order per peer.
         """
+        if self._auth_key is not None:
+            msg = seal_notification(self._auth_key, self.name, msg)
         with _translate("send_notif", remote_agent):
             status = self._live().genNotif(remote_agent, msg)
         if status != _nixl.NIXL_SUCCESS:
@@ -463,7 +472,19 @@ class NixlBackend:
         """
         with _translate("get_notifs"):
             notifs = self._live().getNotifs({}, [])
-        return {str(name): list(msgs) for name, msgs in notifs.items()}
+        out = {str(name): list(msgs) for name, msgs in notifs.items()}
+        if self._auth_key is None:
+            return out
+        # keyed: only notifications sealed with our key by the agent NIXL names as the
+        # sender, fresh and never seen before, are handed on (the rest are counted)
+        opened: dict[str, list[bytes]] = {}
+        for name, msgs in out.items():
+            for m in msgs:
+                try:
+                    opened.setdefault(name, []).append(open_notification(self._auth_key, name, m))
+                except AuthError:
+                    self.num_unauthenticated += 1
+        return opened
 
 
 def _conforms(backend: NixlBackend) -> TransferBackend[PreparedList, XferHandle]:

@@ -35,6 +35,7 @@ from kvxfer.wire.limits import (
 from kvxfer.wire.messages import (
     Abort,
     BlockIds,
+    Cancelled,
     ErrorReply,
     Failed,
     GetRecords,
@@ -87,6 +88,7 @@ __all__ = [
     "U64",
     "Abort",
     "BlockIds",
+    "Cancelled",
     "Count",
     "ErrorReply",
     "Failed",
