@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -51,6 +52,7 @@ def test_params_without_remote_prefill_name_none() -> None:
         (lambda p: p["kvxfer"].update(block_size=True), "must be an integer"),
         (lambda p: p["kvxfer"].update(address="a,b,c"), "endpoints"),
         (lambda p: p["kvxfer"].update(request_id=7), "must be a string"),
+        (lambda p: p["kvxfer"].update(lease_expires_at_ms="soon"), "lease_expires_at_ms"),
     ],
 )
 def test_bad_params_are_refused_by_name(mutate, match: str) -> None:
@@ -124,6 +126,10 @@ def test_prefill_holds_finished_requests_and_names_its_ranks() -> None:
         (1, 2, 3),
     )
     assert (remote.request_id, remote.num_tokens, remote.tp_size) == ("b", 70, 2)
+    # the decode never reads past the prefill's lease (120 s from the finish, or later)
+    now_ms = time.time_ns() // 1_000_000
+    assert remote.lease_expires_at_ms is not None
+    assert now_ms + 119_000 <= remote.lease_expires_at_ms <= now_ms + 120_000
     (hold,) = s.take_step().holds
     assert (hold.request_id, hold.block_ids) == ("b", (1, 2, 3))
     # aborted prefills and requests without do_remote_decode keep vLLM's own freeing

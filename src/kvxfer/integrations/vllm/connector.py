@@ -99,6 +99,7 @@ class KvxferConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 engine_id=self._engine_id, block_size=self._block_size, tp_size=self._tp_size,
                 is_producer=kv.is_kv_producer, is_consumer=kv.is_kv_consumer,
+                lease_s=float(_extra(vllm_config, "lease_s", 120.0)),
             )  # fmt: skip
 
     # ---------------------------------------------------------------- scheduler side

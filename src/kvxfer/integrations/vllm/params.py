@@ -36,6 +36,9 @@ class RemotePrefill:
         block_size: tokens per block on the prefill.
         tp_size: the prefill engine's tensor-parallel size.
         num_tokens: prompt tokens whose KV the prefill computed.
+        lease_expires_at_ms: no later than this (prefill wall clock, ms since the epoch)
+            the prefill may reuse the blocks: the decode never reads after it. None:
+            not stated (an older prefill).
     """
 
     engine_id: str
@@ -46,6 +49,7 @@ class RemotePrefill:
     block_size: int
     tp_size: int
     num_tokens: int
+    lease_expires_at_ms: int | None = None
 
     @property
     def generation_map(self) -> dict[int, int]:
@@ -68,6 +72,7 @@ def compose_params(remote: RemotePrefill) -> dict[str, Any]:
             "generations": [f"{g:x}" for g in remote.generations],
             "block_size": remote.block_size,
             "num_tokens": remote.num_tokens,
+            "lease_expires_at_ms": remote.lease_expires_at_ms,
         },
     }
 
@@ -140,6 +145,10 @@ def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
             f"kv_transfer_params: kvxfer.num_tokens {num_tokens} does not fit "
             f"{len(block_ids)} blocks of {block_size} tokens"
         )
+    lease_ms = x.get("lease_expires_at_ms")
+    if lease_ms is not None and (isinstance(lease_ms, bool) or not isinstance(lease_ms, int)
+                                 or not 0 < lease_ms < 1 << 53):  # fmt: skip
+        raise ProtocolError("kv_transfer_params: kvxfer.lease_expires_at_ms must be an integer")
     return RemotePrefill(
         engine_id=_field(params, "remote_engine_id", str, ""),
         request_id=_field(x, "request_id", str, "kvxfer."),
@@ -149,4 +158,5 @@ def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
         block_size=block_size,
         tp_size=tp_size,
         num_tokens=num_tokens,
+        lease_expires_at_ms=lease_ms,
     )

@@ -17,6 +17,7 @@ One instance is used by vLLM's scheduler thread only (no locking).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,16 +79,25 @@ class SchedulerSide:
         block_size: tokens per block of this engine.
         tp_size: this engine's tensor-parallel size.
         is_producer, is_consumer: the roles this engine takes.
+        lease_s: the prefill workers' lease on held blocks (their ``lease_s``).
     """
 
     def __init__(
-        self, *, engine_id: str, block_size: int, tp_size: int, is_producer: bool, is_consumer: bool
+        self,
+        *,
+        engine_id: str,
+        block_size: int,
+        tp_size: int,
+        is_producer: bool,
+        is_consumer: bool,
+        lease_s: float = 120.0,
     ) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
         self.tp_size = tp_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
+        self.lease_s = lease_s
         self.producers: dict[int, ProducerRank] = {}
         self._pending: dict[str, _Pending] = {}  # matched, waiting for allocation
         self._loaded: set[str] = set()  # a load was started: never offered twice
@@ -180,6 +190,8 @@ class SchedulerSide:
             block_size=self.block_size,
             tp_size=self.tp_size,
             num_tokens=min(num_computed_tokens, len(block_ids) * self.block_size),
+            # the workers' hold starts later than now, so its lease ends later than this
+            lease_expires_at_ms=time.time_ns() // 1_000_000 + int(self.lease_s * 1000),
         )
         self._step.holds.append(HoldJob(request_id, remote.block_ids))
         return True, compose_params(remote)

@@ -101,7 +101,7 @@ class WorkerSide:
         for h in holds:
             if self.producer is None:
                 continue
-            self.producer.hold(h.request_id, num_blocks=len(h.block_ids))
+            self.producer.hold(h.request_id, block_ids=h.block_ids)
             self._held.add(h.request_id)
         for job in loads:
             self._start_load(job)
@@ -117,6 +117,11 @@ class WorkerSide:
                 remote_block_ids=list(job.remote_block_ids),
                 generation=job.remote.generation_map,
                 deadline_s=self.settings.deadline_s,
+                lease_expires_at_ns=(
+                    None
+                    if job.remote.lease_expires_at_ms is None
+                    else job.remote.lease_expires_at_ms * 1_000_000
+                ),
             )  # fmt: skip
         except KvxferError as e:
             self._loads[job.request_id] = _Load(job, None, f"{type(e).__name__}: {e}")
