@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvxfer.engine.leases import FreeReason, LeaseTable
+from kvxfer.engine.leases import MAX_EARLY_ACKS, FreeReason, LeaseTable
 from kvxfer.errors import ConfigError
 
 
@@ -284,3 +284,34 @@ def test_lease_seconds_validated(bad: float) -> None:
     with pytest.raises(ValueError, match="lease_s"):
         t.renew("b", 0.5, bad)
     assert t.expire(2.0) == ["b"]
+
+
+def test_an_ack_that_arrives_before_the_hold_counts_once_the_hold_comes() -> None:
+    # vLLM's prefill worker learns of a finished request one step after the engine
+    # returned its params: a fast decode can read (and ack) before the hold is placed
+    t = LeaseTable(30.0)
+    assert t.ack("early", 0, expected=2, now=5.0) is False
+    assert t.ack("early", 1, expected=2, now=5.1) is False
+    t.hold("early", 3, now=5.2)
+    assert t.pop_freed() == [("early", FreeReason.READ)]
+    assert t.held_blocks == 0
+    # one of two expected ranks acked early: held until the second one
+    t.ack("half", 0, expected=2, now=6.0)
+    t.hold("half", 1, now=6.1)
+    assert t.pop_freed() == [] and t.held_blocks == 1
+    assert t.ack("half", 1, expected=2, now=6.2) is True
+
+
+def test_early_acks_are_forgotten_after_a_while_and_bounded() -> None:
+    t = LeaseTable(30.0)
+    t.ack("old", 0, expected=1, now=0.0)
+    t.hold("old", 1, now=t.early_ack_s + 1.0)  # too late: an ack of something else
+    assert t.pop_freed() == [] and t.held_blocks == 1
+    for i in range(MAX_EARLY_ACKS + 10):
+        t.ack(f"x{i}", 0, expected=1, now=100.0)
+    assert t.num_early_acks == MAX_EARLY_ACKS
+    t.expire(now=100.0 + t.early_ack_s + 1.0)
+    assert t.num_early_acks == 0
+    # without a time (callers that do not opt in) an unknown ack is only counted
+    t.ack("y", 0, expected=1)
+    assert t.num_early_acks == 0 and t.num_unknown_acks == MAX_EARLY_ACKS + 12

@@ -52,6 +52,9 @@ class _Entry:
     acked: set[int] = field(default_factory=set)
 
 
+MAX_EARLY_ACKS = 4096  # acks remembered for requests not (yet) held
+
+
 class LeaseTable:
     """Requests held by one producer rank. Times are caller-supplied seconds (monotonic).
 
@@ -65,11 +68,20 @@ class LeaseTable:
         self._seq = 0
         self._freed: list[tuple[str, FreeReason]] = []
         self.num_unknown_acks = 0
+        # acks (with a time) for requests not held yet: request -> (ranks, expected, first
+        # seen); a hold within early_ack_s counts them (oldest dropped past the bound)
+        self._early: dict[str, tuple[set[int], int, float]] = {}
+        self.early_ack_s = 10.0
 
     @property
     def held_blocks(self) -> int:
         """Blocks held by requests not yet released."""
         return sum(e.num_blocks for e in self._entries.values())
+
+    @property
+    def num_early_acks(self) -> int:
+        """Requests with acks remembered from before their hold."""
+        return len(self._early)
 
     @property
     def num_requests(self) -> int:
@@ -104,16 +116,31 @@ class LeaseTable:
         )
         self._entries[request_id] = _Entry(num_blocks, expires)
         self._push(request_id, expires)
+        early = self._early.pop(request_id, None)
+        if early is not None and now - early[2] <= self.early_ack_s:
+            ranks, expected, _ = early
+            self._entries[request_id].acked |= ranks
+            if len(ranks) >= max(1, expected):
+                self._release(request_id, FreeReason.READ)
 
-    def ack(self, request_id: str, consumer_rank: int, expected: int) -> bool:
+    def ack(
+        self, request_id: str, consumer_rank: int, expected: int, now: float | None = None
+    ) -> bool:
         """Record that ``consumer_rank`` read the request; True if this released it.
 
-        Idempotent per consumer rank. Acks for unknown (already released) requests are
-        counted in ``num_unknown_acks`` and ignored.
+        Idempotent per consumer rank. Acks for requests not held are counted in
+        ``num_unknown_acks``; with ``now`` they are also remembered (bounded, for
+        ``early_ack_s``), so an ack that overtook its hold counts when the hold comes.
         """
         entry = self._entries.get(request_id)
         if entry is None:
             self.num_unknown_acks += 1
+            if now is not None:
+                ranks, _, seen = self._early.pop(request_id, (set(), expected, now))
+                ranks.add(consumer_rank)
+                self._early[request_id] = (ranks, expected, seen)
+                while len(self._early) > MAX_EARLY_ACKS:
+                    del self._early[next(iter(self._early))]
             return False
         entry.acked.add(consumer_rank)
         if len(entry.acked) >= max(1, expected):
@@ -144,6 +171,12 @@ class LeaseTable:
     def expire(self, now: float) -> list[str]:
         """Release every request whose lease ended at or before ``now``; return their ids."""
         out: list[str] = []
+        # forget early acks from the oldest on (dict order is about arrival order)
+        while self._early:
+            rid = next(iter(self._early))
+            if now - self._early[rid][2] <= self.early_ack_s:
+                break
+            del self._early[rid]
         while self._heap and self._heap[0][0] <= now:
             expires_at, _, rid = heapq.heappop(self._heap)
             entry = self._entries.get(rid)

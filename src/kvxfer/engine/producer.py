@@ -212,8 +212,12 @@ class Producer:
         table, now = self._tables[rank], time.monotonic()
         with self._lock:
             if isinstance(msg, ReadDone):
+                # with ``now``: a read that overtook its hold counts when the hold comes
                 table.ack(
-                    msg.request_id, msg.consumer_rank, max(1, msg.consumer_size // self._tp_size)
+                    msg.request_id,
+                    msg.consumer_rank,
+                    max(1, msg.consumer_size // self._tp_size),
+                    now,
                 )
             elif isinstance(msg, Abort | Failed):
                 table.abort(msg.request_id)
