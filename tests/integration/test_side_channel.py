@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvxfer.errors import IncompatibleError, LayoutError, PeerLostError, ProtocolError
+from kvxfer.errors import ConfigError, IncompatibleError, LayoutError, PeerLostError, ProtocolError
 from kvxfer.layout.model import CacheLayout
 from kvxfer.layout.spec import AttnKind, LayoutSpec
 from kvxfer.transport.side_channel import SideChannelServer, fetch_records
@@ -204,11 +204,11 @@ def test_stopped_server_is_peer_lost_and_stop_idempotent(server: SideChannelServ
 
 
 def test_bad_addresses() -> None:
-    with pytest.raises(LayoutError, match="bad address"):
+    with pytest.raises(ConfigError, match="bad address"):
         fetch_records("not-an-endpoint", None, H, 0.5)
-    with pytest.raises(LayoutError, match="cannot bind"):
+    with pytest.raises(ConfigError, match="cannot bind"):
         SideChannelServer("nope://x", {}).start()
-    with pytest.raises(LayoutError, match="ranks"):
+    with pytest.raises(ConfigError, match="ranks"):
         fetch_records("tcp://127.0.0.1:1", [-1], H, 0.5)
 
 

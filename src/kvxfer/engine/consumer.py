@@ -26,9 +26,9 @@ from kvxfer.engine.transfer import PeerInfo, Transfer, num_bytes
 from kvxfer.errors import (
     CancelledError,
     ClosedError,
+    ConfigError,
     DeadlineError,
     KvxferError,
-    LayoutError,
     LeaseExpiredError,
     PeerLostError,
     TransferError,
@@ -78,7 +78,7 @@ class Consumer(FirstContact):
         self, config: EngineConfig, ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]]
     ) -> None:
         if not ranks:
-            raise LayoutError("a consumer needs at least one rank")
+            raise ConfigError("a consumer needs at least one rank")
         config.check()
         self.config = config
         self._closed = False
@@ -223,7 +223,7 @@ class Consumer(FirstContact):
         chosen = tuple(self.ranks) if ranks is None else tuple(ranks)
         for d in chosen:
             if d not in self.ranks:
-                raise LayoutError(f"local rank {d} is not hosted here (have {sorted(self.ranks)})")
+                raise ConfigError(f"local rank {d} is not hosted here (have {sorted(self.ranks)})")
         deadline = time.monotonic() + (self.config.deadline_s if deadline_s is None else deadline_s)
         kwargs: dict[str, object] = {"num_cached_blocks": num_cached_blocks}
         if local_state_ids is not None:

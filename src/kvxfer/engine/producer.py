@@ -11,7 +11,7 @@ from kvxfer.engine.config import U8, EngineConfig, check_seconds
 from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import RankCache, encode_records, new_generation
-from kvxfer.errors import KvxferError, LayoutError
+from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import (
@@ -50,7 +50,7 @@ class Producer:
         self, config: EngineConfig, ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]]
     ) -> None:
         if not ranks:
-            raise LayoutError("a producer needs at least one rank")
+            raise ConfigError("a producer needs at least one rank")
         config.check()
         self.config = config
         self.generation = new_generation()
@@ -130,7 +130,7 @@ class Producer:
         held = None if block_ids is None else frozenset(int(b) for b in block_ids)
         if num_blocks is None:
             if held is None:
-                raise LayoutError("hold needs num_blocks or block_ids")
+                raise ConfigError("hold needs num_blocks or block_ids")
             num_blocks = len(held)
         now, wall_ns = time.monotonic(), time.time_ns()
         with self._lock:

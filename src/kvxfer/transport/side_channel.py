@@ -29,7 +29,14 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-from kvxfer.errors import AuthError, IncompatibleError, LayoutError, PeerLostError, ProtocolError
+from kvxfer.errors import (
+    AuthError,
+    ConfigError,
+    IncompatibleError,
+    LayoutError,
+    PeerLostError,
+    ProtocolError,
+)
 from kvxfer.transport.side_limits import RCVHWM, SNDBUF, SNDHWM, Pending, is_loopback
 from kvxfer.wire import (
     MAX_RANKS,
@@ -156,7 +163,7 @@ class SideChannelServer:
             sock.bind(addr)
         except zmq.ZMQError as e:
             sock.close(linger=0)
-            raise LayoutError(f"side channel: cannot bind {self._bind_addr!r}: {e}") from None
+            raise ConfigError(f"side channel: cannot bind {self._bind_addr!r}: {e}") from None
         self._sock = sock
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self._key is None and not is_loopback(self._bind_addr):
@@ -399,7 +406,7 @@ def fetch_records(
     """
     deadline = time.monotonic() + timeout_s
     if ranks is not None and (len(ranks) > MAX_RANKS or any(not 0 <= r < 1 << 32 for r in ranks)):
-        raise LayoutError(f"ranks must be at most {MAX_RANKS} ints in [0, 2**32), got {ranks}")
+        raise ConfigError(f"ranks must be at most {MAX_RANKS} ints in [0, 2**32), got {ranks}")
     request = encode_side(GetRecords(None if ranks is None else tuple(ranks), expected_hash))
     if auth_key is not None:
         request = _client_sealer(auth_key).seal(request)
@@ -410,7 +417,7 @@ def fetch_records(
         try:
             sock.connect(address)
         except zmq.ZMQError as e:
-            raise LayoutError(f"side channel: bad address {address!r}: {e}") from None
+            raise ConfigError(f"side channel: bad address {address!r}: {e}") from None
         lost = PeerLostError(f"side channel {address}: no reply within timeout {timeout_s} s")
         try:
             sock.send(request, zmq.NOBLOCK)  # DEALER queues on the pipe connect() created
