@@ -36,6 +36,7 @@ from kvxfer.errors import (
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.planning.request import plan_request
+from kvxfer.transport.backend import BackendFactory
 from kvxfer.transport.nixl import XferOp, XferState
 from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import (
@@ -75,7 +76,11 @@ class Consumer(FirstContact):
     """
 
     def __init__(
-        self, config: EngineConfig, ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]]
+        self,
+        config: EngineConfig,
+        ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]],
+        *,
+        backend_factory: BackendFactory | None = None,
     ) -> None:
         if not ranks:
             raise ConfigError("a consumer needs at least one rank")
@@ -91,7 +96,7 @@ class Consumer(FirstContact):
         try:
             for spec, bufs in ranks:
                 name = f"{config.engine_id}-d{spec.tp_rank}-{self.generation:x}"
-                self.ranks[spec.tp_rank] = RankCache(spec, bufs, name, config)
+                self.ranks[spec.tp_rank] = RankCache(spec, bufs, name, config, backend_factory)
             records = encode_records(self.ranks.values(), self.generation, self.compat_hash)
             # push mode: producers fetch this engine's records here
             self.server: SideChannelServer | None = SideChannelServer(

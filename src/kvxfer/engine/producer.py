@@ -13,6 +13,7 @@ from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import RankCache, encode_records, new_generation
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.layout.spec import LayoutSpec
+from kvxfer.transport.backend import BackendFactory
 from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import (
     Abort,
@@ -35,6 +36,8 @@ class Producer:
     Args:
         config: engine settings (``side_channel_addr`` is bound here).
         ranks: per TP rank, its spec and its region buffers (which must outlive this).
+        backend_factory: builds each rank's transfer backend from its agent name
+            (default: a NIXL agent); ``kvxfer.testing.MemoryBackend`` runs in one process.
 
     Blocks of a request are held from :meth:`hold` until every expected consumer has
     read them (a ``ReadDone`` notification per consumer rank), a consumer aborts, or
@@ -47,7 +50,11 @@ class Producer:
     """
 
     def __init__(
-        self, config: EngineConfig, ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]]
+        self,
+        config: EngineConfig,
+        ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]],
+        *,
+        backend_factory: BackendFactory | None = None,
     ) -> None:
         if not ranks:
             raise ConfigError("a producer needs at least one rank")
@@ -62,7 +69,7 @@ class Producer:
         try:
             for spec, bufs in ranks:
                 name = f"{config.engine_id}-p{spec.tp_rank}-{self.generation:x}"
-                self.ranks.append(RankCache(spec, bufs, name, config))
+                self.ranks.append(RankCache(spec, bufs, name, config, backend_factory))
             self._tables = {r.rank: LeaseTable(config.lease_s) for r in self.ranks}
             self._pending_free: dict[str, set[int]] = {}
             self._held_ids: dict[str, frozenset[int]] = {}
