@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "Consumer": "kvxfer.engine.consumer",
+    "EngineStats": "kvxfer.engine.stats",
+    "as_completed": "kvxfer.engine.transfer",
+    "wait_any": "kvxfer.engine.transfer",
     "PeerInfo": "kvxfer.engine.transfer",
     "Producer": "kvxfer.engine.producer",
     "Transfer": "kvxfer.engine.transfer",
@@ -34,9 +37,12 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Consumer",
     "EngineConfig",
+    "EngineStats",
     "PeerInfo",
     "Producer",
     "RequestState",
     "Transfer",
     "allocate_cache",
+    "as_completed",
+    "wait_any",
 ]

@@ -22,6 +22,7 @@ from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.rank import RankCache, encode_records, new_generation
 from kvxfer.engine.relayout import relayout_bsr
+from kvxfer.engine.stats import EngineStats, StatsRecorder
 from kvxfer.engine.transfer import PeerInfo, Transfer, num_bytes
 from kvxfer.errors import (
     CancelledError,
@@ -92,6 +93,7 @@ class Consumer(FirstContact):
         self.compat_hash = config.compat_hash(ranks[0][0])
         self._lock = threading.Lock()
         self._peers: dict[str, PeerInfo] = {}
+        self._stats = StatsRecorder()
         self.ranks: dict[int, RankCache] = {}
         try:
             for spec, bufs in ranks:
@@ -394,6 +396,7 @@ class Consumer(FirstContact):
                 relayout_bsr(cache.spec, cache.bufs, t.local_ids[cached:], plan.kernel_bsr)
         t.finished_at = time.perf_counter()
         t.state = RequestState.DONE
+        self._stats.record(t)
 
     def _fail(self, t: Transfer, error: KvxferError) -> None:
         for _, x in t.xfers:
@@ -410,6 +413,7 @@ class Consumer(FirstContact):
         t.finished_at = time.perf_counter()
         if isinstance(error, PeerLostError):
             t.state = RequestState.PEER_LOST
+            self._stats.record(t)
             if not t.keep_peer:
                 self._drop_peer(t.peer)
             return
@@ -419,6 +423,7 @@ class Consumer(FirstContact):
             t.state = RequestState.TIMEOUT
         else:
             t.state = RequestState.FAILED
+        self._stats.record(t)
         if t.posted_at and t.peer.agents:  # tell every producer rank it may free the blocks
             for rank, agent in t.peer.agents.items():
                 gen = t.peer.generations[rank]
@@ -428,6 +433,14 @@ class Consumer(FirstContact):
                         self.ranks[d].backend.send_notif(agent, msg)
                     except KvxferError as e:
                         log.debug("abort notice to %s: %s", agent, e)
+
+    def stats(self) -> EngineStats:
+        """A snapshot: requests by end state, bytes, descriptors, latency histogram and
+        each contacted producer's first-contact figures. Thread-safe."""
+        pending = sum(not t.state.is_terminal for t in self._inbox.live())
+        with self._lock:
+            peers = list(self._peers.values())
+        return self._stats.snapshot(pending, peers)
 
     def close(self) -> None:
         """Abort live requests, release every agent and deregister memory. Idempotent.

@@ -3,10 +3,11 @@ request in flight (:class:`Transfer`)."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,7 +38,7 @@ class RequestDriver(Protocol):
         ...
 
 
-__all__ = ["PeerInfo", "Transfer", "new_attempt", "num_bytes"]
+__all__ = ["PeerInfo", "Transfer", "as_completed", "new_attempt", "num_bytes", "wait_any"]
 
 
 @dataclass(slots=True)
@@ -178,6 +179,20 @@ class Transfer:
             raise self.error
         raise WaitTimeout(f"request {self.request_id!r} still {state.value} after {timeout_s} s")
 
+    async def wait_async(self, timeout_s: float | None = None) -> RequestState:
+        """:meth:`wait` for asyncio code: yields to the event loop between polls (first
+        contact and the transfer run in other threads), never blocks it."""
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s, allow_zero=True)
+        until = (
+            self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
+        )
+        pause = 0.0002
+        while not self.poll().is_terminal and (timeout_s is None or time.monotonic() < until):
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.005)  # back off: a long first contact costs no CPU
+        return self.state
+
     @property
     def latency_s(self) -> float:
         return (self.finished_at or time.perf_counter()) - self.started_at
@@ -188,3 +203,36 @@ def num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int32]) -> in
     src = next(s for s in plan.sources if s.rank == rank)
     starts = np.searchsorted(src.local_starts, local_ids, side="right") - 1  # row of each id
     return int(src.local_rows[starts, 1].sum())
+
+
+def as_completed(
+    transfers: Iterable[Transfer], timeout_s: float | None = None
+) -> Iterator[Transfer]:
+    """Yield each transfer as it ends (terminal state), in the order they end.
+
+    Stops after ``timeout_s`` (None: when all ended; each request's own deadline bounds
+    that). Raises ConfigError for a NaN, infinite or negative ``timeout_s``.
+    """
+    if timeout_s is not None:
+        check_seconds("timeout_s", timeout_s, allow_zero=True)
+    live = list(transfers)
+    until = None if timeout_s is None else time.monotonic() + timeout_s
+    pause = 0.0002
+    while live:
+        still = []
+        for t in live:
+            if t.poll().is_terminal:
+                yield t
+                pause = 0.0002
+            else:
+                still.append(t)
+        live = still
+        if not live or (until is not None and time.monotonic() >= until):
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, 0.002)
+
+
+def wait_any(transfers: Iterable[Transfer], timeout_s: float | None = None) -> Transfer | None:
+    """The first of ``transfers`` to end, or None if none ended within ``timeout_s``."""
+    return next(as_completed(transfers, timeout_s), None)
