@@ -353,3 +353,31 @@ def test_fuzz_deep_nesting() -> None:
         check_record_bytes(msgspec.msgpack.encode((H, b"\x91" * depth + b"\x01")))
         check_record_bytes(b"\x92\xa1x" + b"\x91" * depth)
         check_msg_bytes(b"\x81\xa1t" + b"\x91" * depth)
+
+
+def test_region_memory_kind_and_device_travel_in_the_record() -> None:
+    import dataclasses
+
+    from kvxfer.layout.model import MemKind
+    from kvxfer.layout.presets import spec_for as _spec_for
+    from kvxfer.wire import decode_record, encode_record, layout_from_record, record_from_layout
+
+    spec = _spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=4)
+    layout = spec.build([4096 * (i + 1) << 20 for i in range(len(spec.region_bytes()))])
+    vram = dataclasses.replace(
+        layout,
+        regions=tuple(
+            dataclasses.replace(r, mem_kind=MemKind.VRAM, device_id=3) for r in layout.regions
+        ),
+    )
+    rec = record_from_layout(vram, agent_name="a", agent_metadata=b"m", generation=1)
+    back = layout_from_record(decode_record(encode_record(rec, "h"), "h"))
+    assert {(r.mem_kind, r.device_id) for r in back.regions} == {(MemKind.VRAM, 3)}
+    # a region record from a peer that predates the field decodes as DRAM (schema rule 1)
+    from kvxfer.wire import RegionRecord
+
+    old = msgspec.msgpack.decode(
+        msgspec.msgpack.encode({"base_addr": 4096, "num_bytes": 8192, "device_id": 0, "name": "r"}),
+        type=RegionRecord,
+    )
+    assert old.mem_kind == "DRAM"

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
 from kvxfer.errors import IncompatibleError, LayoutError, ProtocolError
-from kvxfer.layout.model import MAX_ADDR, CacheLayout, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer.layout.model import (
+    MAX_ADDR,
+    CacheLayout,
+    MemKind,
+    Region,
+    Shard,
+    TokenLayout,
+    View,
+    ViewKind,
+)
 from kvxfer.layout.spec import AttnKind, LayoutSpec
 from kvxfer.wire.limits import (
     _ENCODER,
@@ -39,6 +48,7 @@ class RegionRecord(Struct, frozen=True):
     num_bytes: U64
     device_id: SmallInt = 0
     name: Name = ""
+    mem_kind: Literal["DRAM", "VRAM"] = "DRAM"  # appended with a default (evolution rule 1)
 
 
 class ViewRecord(Struct, frozen=True):
@@ -212,7 +222,8 @@ def record_from_layout(
     """Return the record a producer publishes for ``layout``."""
     return LayoutRecord(
         regions=tuple(
-            RegionRecord(r.base_addr, r.num_bytes, r.device_id, r.name) for r in layout.regions
+            RegionRecord(r.base_addr, r.num_bytes, r.device_id, r.name, r.mem_kind.value)
+            for r in layout.regions
         ),
         views=tuple(
             ViewRecord(v.region, v.offset, v.length, v.stride, v.count, v.kind, v.shard, v.name)
@@ -242,7 +253,8 @@ def layout_from_record(rec: LayoutRecord) -> CacheLayout:
     try:
         return CacheLayout(
             regions=tuple(
-                Region(r.base_addr, r.num_bytes, r.device_id, r.name) for r in rec.regions
+                Region(r.base_addr, r.num_bytes, r.device_id, r.name, MemKind(r.mem_kind))
+                for r in rec.regions
             ),
             views=tuple(
                 View(v.region, v.offset, v.length, v.stride, v.count, v.kind, v.shard, v.name)
