@@ -1,0 +1,182 @@
+"""``kvxfer bench vllm``: kvxfer's connector vs vLLM's NixlConnector inside real vLLM.
+
+Runs from the main environment: launches :mod:`kvxfer.bench.vllm_driver` under the vLLM
+environment's Python (env ``KVXFER_VLLM_PYTHON``, default ``<repo>/.venv-vllm/bin/python``)
+holding ``/tmp/kvxfer-vllm.lock`` (one vLLM job on the machine at a time), then prints
+the table and writes JSON and PNG. Per connector and KV pool size: decode-side TTFT of
+the first request to a new prefill peer, warm TTFT (median of the rest), first/warm,
+and greedy tokens equal to a colocated run. Same model, prompts and machine; a fresh
+prefill and decode per (connector, size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvxfer.bench.report import fmt_ratio, fmt_seconds, print_table, save_loglog_png, write_json
+
+__all__ = ["COLUMNS", "DEFAULT_SIZES", "QUICK_SIZES", "analyse", "run", "table_rows"]
+
+DEFAULT_SIZES = (0.25, 1.0, 3.0, 6.0)  # GiB per instance; 2 x 6 GiB + vLLM < 16 GB
+QUICK_SIZES = (0.25,)
+LOCK = "/tmp/kvxfer-vllm.lock"
+TARGET_FIRST_OVER_WARM = 1.2
+COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "warm TTFT",
+           "first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
+
+
+def vllm_python() -> str:
+    """The vLLM environment's interpreter: ``$KVXFER_VLLM_PYTHON`` or the repo's venv."""
+    env = os.environ.get("KVXFER_VLLM_PYTHON")
+    if env:
+        return env
+    return str(Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python")
+
+
+def analyse(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per (connector, size) figures and the issue's targets from the driver's output."""
+    from kvxfer.bench.vllm_driver import MODEL_SHAPE, nixl_descriptors, pool_blocks
+
+    shape = {k: raw["config"][k] for k in MODEL_SHAPE}
+    rows = []
+    for pair in raw["pairs"]:
+        reqs = pair["requests"]
+        warm = [r["ttft_s"] for r in reqs if not r["first"]]
+        blocks = pool_blocks(pair["kv_gib"], shape)
+        rows.append({
+            "connector": pair["connector"], "kv_gib": pair["kv_gib"], "num_blocks": blocks,
+            "num_blocks_logged": pair.get("num_blocks_logged"),
+            "nixl_descriptors_per_list": nixl_descriptors(blocks, shape),
+            "first_ttft_s": reqs[0]["ttft_s"], "warm_ttft_s": float(np.median(warm)),
+            "warm_ttfts_s": warm, "first_over_warm": reqs[0]["ttft_s"] / float(np.median(warm)),
+            "tokens_equal": sum(r["tokens_equal"] for r in reqs), "requests": len(reqs),
+            "init_s": pair["init_s"], "first_timeline_s": reqs[0].get("timeline_s"),
+            "warm_timeline_s": _median_timeline([r.get("timeline_s") for r in reqs[1:]]),
+            "peer_rows": pair.get("peer_rows"), "peer_descriptors": pair.get("peer_descriptors"),
+        })  # fmt: skip
+    nixl = {r["kv_gib"]: r for r in rows if r["connector"] == "nixl"}
+    for r in rows:
+        base = nixl.get(r["kv_gib"])
+        r["first_over_nixl_first"] = r["first_ttft_s"] / base["first_ttft_s"] if base else None
+        r["gap_s"] = base["first_ttft_s"] - r["first_ttft_s"] if base else None
+    kx = sorted((r for r in rows if r["connector"] == "kvxfer"), key=lambda r: r["kv_gib"])
+    gaps = [r["gap_s"] for r in kx if r["gap_s"] is not None]
+    largest = kx[-1] if kx else None
+    targets = {
+        "evaluated": len(gaps) >= 2,
+        "kvxfer_first_below_nixl_every_size": bool(gaps) and all(g > 0 for g in gaps),
+        "gap_grows_with_size": len(gaps) >= 2 and gaps[-1] > gaps[0],
+        "gaps_s": gaps,
+        "largest_kv_gib": largest["kv_gib"] if largest else None,
+        "kvxfer_first_over_warm_largest": largest["first_over_warm"] if largest else None,
+        "first_over_warm_met": (
+            largest is not None and largest["first_over_warm"] <= TARGET_FIRST_OVER_WARM
+        ),
+        "all_tokens_equal": all(r["tokens_equal"] == r["requests"] for r in rows),
+    }
+    return {"config": raw["config"], "rows": rows, "targets": targets}
+
+
+def _median_timeline(tls: list[dict[str, float] | None]) -> dict[str, float] | None:
+    good = [t for t in tls if t]
+    if not good:
+        return None
+    return {k: float(np.median([t[k] for t in good])) for k in good[0]}
+
+
+def table_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """One row per (size, connector), for the console and the markdown page."""
+    return [
+        [r["connector"], f"{r['kv_gib']:g}", f"{r['num_blocks']:,}",
+         f"{r['nixl_descriptors_per_list']:,}", fmt_seconds(r["first_ttft_s"]),
+         fmt_seconds(r["warm_ttft_s"]), fmt_ratio(r["first_over_warm"]),
+         fmt_ratio(r["first_over_nixl_first"]), f"{r['tokens_equal']}/{r['requests']}"]
+        for r in sorted(doc["rows"], key=lambda r: (r["kv_gib"], r["connector"] != "nixl"))
+    ]  # fmt: skip
+
+
+def timeline_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """kvxfer's first request, phase by phase (s), per size."""
+    kx = [r for r in doc["rows"] if r["connector"] == "kvxfer" and r["first_timeline_s"]]
+    if not kx:
+        return [], []
+    keys = list(kx[0]["first_timeline_s"])
+    cols = ["KV GiB", *keys, "TTFT"]
+    rows = [[f"{r['kv_gib']:g}", *(fmt_seconds(max(0.0, r["first_timeline_s"][k])) for k in keys),
+             fmt_seconds(r["first_ttft_s"])] for r in kx]  # fmt: skip
+    return cols, rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``kvxfer bench vllm``; 0 when every decode matched the colocated tokens."""
+    sizes = list(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    py = vllm_python()
+    if not os.path.exists(py):
+        print(f"kvxfer bench vllm: no vLLM python at {py} (set KVXFER_VLLM_PYTHON or run "
+              "scripts/_vllm_venv.sh)", file=sys.stderr)  # fmt: skip
+        return 2
+    src = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvxfer-vllm-bench-") as tmp:
+        out = Path(tmp) / "raw.json"
+        cmd = ["flock", LOCK, "timeout", str(args.timeout), py, "-m", "kvxfer.bench.vllm_driver",
+               "--sizes", *map(str, sizes), "--prompts", str(3 if args.quick else args.prompts),
+               "--out", str(out), "--log-dir", args.log_dir]  # fmt: skip
+        rc = subprocess.call(cmd, env=env)
+        if rc != 0 or not out.exists():
+            print(f"kvxfer bench vllm: driver failed (exit {rc}); logs in {args.log_dir}",
+                  file=sys.stderr)  # fmt: skip
+            return rc or 1
+        raw = json.loads(out.read_text())
+    doc = analyse(raw)
+    print_table(
+        "vLLM P/D: decode TTFT, kvxfer connector vs NixlConnector", COLUMNS, table_rows(doc)
+    )
+    cols, trows = timeline_rows(doc)
+    if trows:
+        print_table("kvxfer: first request's decode TTFT by phase", cols, trows)
+    if args.json:
+        write_json(args.json, {"benchmark": "vllm", **doc})
+    if args.png:
+        series = {
+            f"{c} {k}": ([r["nixl_descriptors_per_list"] for r in doc["rows"] if r["connector"] == c],
+                         [r[f"{k}_ttft_s"] for r in doc["rows"] if r["connector"] == c])
+            for c in ("nixl", "kvxfer") for k in ("first", "warm")
+        }  # fmt: skip
+        save_loglog_png(args.png, series, title="vLLM P/D decode TTFT: first request vs warm",
+                        xlabel="KV pool: (layer, block) descriptors per list (NixlConnector)",
+                        ylabel="decode TTFT (s)")  # fmt: skip
+    return 0 if doc["targets"]["all_tokens_equal"] else 1
+
+
+def add_parser(subparsers: Any) -> None:
+    """``kvxfer bench vllm`` (registered by ``kvxfer.cli.main``)."""
+    p = subparsers.add_parser(
+        "vllm",
+        help="kvxfer connector vs vLLM's NixlConnector: first/warm decode TTFT by KV pool size",
+    )
+    p.add_argument("--quick", action="store_true", help="smallest pool, 3 prompts (smoke test)")
+    p.add_argument(
+        "--sizes",
+        type=float,
+        nargs="+",
+        metavar="GIB",
+        help=f"KV pool GiB per instance (default {' '.join(map(str, DEFAULT_SIZES))})",
+    )
+    p.add_argument(
+        "--prompts", type=int, default=9, help="requests per pair: 1 first + warm (default 9)"
+    )
+    p.add_argument("--json", metavar="PATH", help="write results and machine info as JSON")
+    p.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib)")
+    p.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs", help="vLLM instance logs")
+    p.add_argument("--timeout", type=int, default=3600, help="driver time limit (s)")
+    p.set_defaults(handler=run)  # fmt: skip
