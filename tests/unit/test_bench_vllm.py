@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer.bench.vllm import analyse, table_rows
+from kvxfer.bench.vllm import analyse, markdown_section, table_rows
 from kvxfer.bench.vllm_driver import MODEL_SHAPE, nixl_descriptors, page_bytes, pool_blocks
 
 
@@ -26,7 +26,14 @@ def _pair(conn: str, gib: float, first: float, warm: list[float], equal: bool = 
 
 def test_analyse_ratios_and_targets() -> None:
     raw = {
-        "config": dict(MODEL_SHAPE),
+        "config": {
+            **MODEL_SHAPE,
+            "block_size": 32,
+            "page_bytes_per_layer": 8192,
+            "vllm": "0.32.0",
+            "prompt_lengths": [200, 256, 131, 300],
+            "max_tokens": 8,
+        },
         "pairs": [
             _pair("nixl", 1.0, 0.30, [0.02, 0.03, 0.04]),
             _pair("kvxfer", 1.0, 0.10, [0.01, 0.02, 0.05]),
@@ -48,3 +55,6 @@ def test_analyse_ratios_and_targets() -> None:
     rows = table_rows(doc)
     assert [r[0] for r in rows] == ["nixl", "kvxfer", "nixl", "kvxfer"]
     assert rows[3][-1] == "3/4" and rows[1][6] == "5x"
+    md = "\n".join(markdown_section(doc))
+    assert "| kvxfer | 4 | 8,192 | 524,288 | 30 ms | 20 ms | 1.5x | 0.0333x | 3/4 |" in md
+    assert "(target <= 1.2x): **MISSED**" in md and "**NOT all**" in md

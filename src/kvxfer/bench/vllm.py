@@ -26,8 +26,8 @@ from kvxfer.bench.report import fmt_ratio, fmt_seconds, print_table, save_loglog
 
 __all__ = ["COLUMNS", "DEFAULT_SIZES", "QUICK_SIZES", "analyse", "run", "table_rows"]
 
-DEFAULT_SIZES = (0.25, 1.0, 3.0, 6.0)  # GiB per instance; 2 x 6 GiB + vLLM < 16 GB
-QUICK_SIZES = (0.25,)
+DEFAULT_SIZES = (1, 2, 4, 6)  # GiB per instance (vLLM takes whole GiB); 2 x 6 GiB + vLLM < 16 GB
+QUICK_SIZES = (1,)
 LOCK = "/tmp/kvxfer-vllm.lock"
 TARGET_FIRST_OVER_WARM = 1.2
 COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "warm TTFT",
@@ -116,6 +116,38 @@ def timeline_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return cols, rows
 
 
+def markdown_section(doc: dict[str, Any]) -> list[str]:
+    """The tables and targets of ``docs/benchmarks.md``'s vLLM section (analysis added by hand)."""
+    from kvxfer.bench.report import markdown_table
+
+    c, t = doc["config"], doc["targets"]
+    lines = [
+        f"Model: random Llama, {c['layers']} layers, {c['kv_heads']} KV head, head_dim "
+        f"{c['head_dim']}, float32, block_size {c['block_size']}: "
+        f"{c['page_bytes_per_layer'] // 1024} KiB per (layer, block). vLLM {c['vllm']} (CPU). "
+        f"Prompts of {min(c['prompt_lengths'])}-{max(c['prompt_lengths'])} tokens, "
+        f"{c['max_tokens']} greedy tokens; request 0 is the first to the new prefill, "
+        f"warm = median of the other {len(c['prompt_lengths']) - 1}.",
+        "",
+        markdown_table(COLUMNS, table_rows(doc)),
+        "",
+        f"- kvxfer first TTFT below NixlConnector's at every size: "
+        f"{'**met**' if t['kvxfer_first_below_nixl_every_size'] else '**MISSED**'}; gap "
+        f"(Nixl - kvxfer) by size: {', '.join(fmt_seconds(g) for g in t['gaps_s'])}, growing: "
+        f"{'**met**' if t['gap_grows_with_size'] else '**MISSED**'}",
+        f"- kvxfer first/warm at {t['largest_kv_gib']} GiB: "
+        f"{fmt_ratio(t['kvxfer_first_over_warm_largest'])} (target <= 1.2x): "
+        f"{'**met**' if t['first_over_warm_met'] else '**MISSED**'}",
+        f"- decode tokens equal to the colocated run: "
+        f"{'all' if t['all_tokens_equal'] else '**NOT all**'}",
+    ]
+    cols, trows = timeline_rows(doc)
+    if trows:
+        lines += ["", "kvxfer's first request, decode side, by phase:", "",
+                  markdown_table(cols, trows)]  # fmt: skip
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvxfer bench vllm``; 0 when every decode matched the colocated tokens."""
     sizes = list(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
@@ -146,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         print_table("kvxfer: first request's decode TTFT by phase", cols, trows)
     if args.json:
         write_json(args.json, {"benchmark": "vllm", **doc})
+        Path(args.json).with_suffix(".md").write_text("\n".join(markdown_section(doc)) + "\n")
     if args.png:
         series = {
             f"{c} {k}": ([r["nixl_descriptors_per_list"] for r in doc["rows"] if r["connector"] == c],
@@ -167,7 +200,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--quick", action="store_true", help="smallest pool, 3 prompts (smoke test)")
     p.add_argument(
         "--sizes",
-        type=float,
+        type=int,
         nargs="+",
         metavar="GIB",
         help=f"KV pool GiB per instance (default {' '.join(map(str, DEFAULT_SIZES))})",

@@ -1,6 +1,6 @@
 """The vLLM side of ``kvxfer bench vllm``: runs under the vLLM environment's Python.
 
-    python -m kvxfer.bench.vllm_driver --sizes 0.25 1 --out /tmp/vllm-bench.json
+    python -m kvxfer.bench.vllm_driver --sizes 1 2 --out /tmp/vllm-bench.json
 
 1. Builds a deep, narrow random Llama (``tiny_model.build``: many layers, 1 KV head,
    head_dim 32, float32) so that one block of one layer is 8 KiB and a KV pool of
@@ -130,14 +130,14 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
     }  # fmt: skip
 
 
-def run_driver(sizes: list[float], n_prompts: int, max_tokens: int, model_dir: str, log_dir: str,
+def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str, log_dir: str,
                connectors: list[str]) -> dict[str, Any]:  # fmt: skip
     """Every (size, connector) pair, fresh instances each; the colocated reference first."""
     os.makedirs(log_dir, exist_ok=True)
     digest = build(model_dir, **MODEL_SHAPE)
     prompts = make_prompts(n_prompts, MODEL_SHAPE["vocab"], PROMPT_LENGTHS, seed=0)
     t0 = time.perf_counter()
-    with Instance("colocated", model=model_dir, connector=None, cpus="0", kv_cache_gib=0.25,
+    with Instance("colocated", model=model_dir, connector=None, cpus="0", kv_cache_gib=1,
                   log_dir=log_dir, block_size=BLOCK_SIZE, max_model_len=512,
                   max_num_seqs=4) as colo:  # fmt: skip
         colo.wait_ready(900)
@@ -168,9 +168,7 @@ def run_driver(sizes: list[float], n_prompts: int, max_tokens: int, model_dir: s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--sizes", type=float, nargs="+", required=True, help="KV pool GiB per instance"
-    )
+    ap.add_argument("--sizes", type=int, nargs="+", required=True, help="KV pool GiB per instance")
     ap.add_argument("--prompts", type=int, default=9, help="1 first + warm requests")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--connectors", nargs="+", default=["nixl", "kvxfer"])
