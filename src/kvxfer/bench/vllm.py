@@ -48,7 +48,11 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
 
     shape = {k: raw["config"][k] for k in MODEL_SHAPE}
     rows = []
+    failed = [{"connector": p["connector"], "kv_gib": p["kv_gib"], "error": p["error"]}
+              for p in raw["pairs"] if "error" in p]  # fmt: skip
     for pair in raw["pairs"]:
+        if "error" in pair:
+            continue
         reqs = pair["requests"]
         warm = [r["ttft_s"] for r in reqs if not r["first"]]
         blocks = pool_blocks(pair["kv_gib"], shape)
@@ -81,9 +85,9 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
         "first_over_warm_met": (
             largest is not None and largest["first_over_warm"] <= TARGET_FIRST_OVER_WARM
         ),
-        "all_tokens_equal": all(r["tokens_equal"] == r["requests"] for r in rows),
+        "all_tokens_equal": all(r["tokens_equal"] == r["requests"] for r in rows) and not failed,
     }
-    return {"config": raw["config"], "rows": rows, "targets": targets}
+    return {"config": raw["config"], "rows": rows, "targets": targets, "failed": failed}
 
 
 def _median_timeline(tls: list[dict[str, float] | None]) -> dict[str, float] | None:
@@ -160,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvxfer-vllm-bench-") as tmp:
         out = Path(tmp) / "raw.json"
-        cmd = ["flock", LOCK, "timeout", str(args.timeout), py, "-m", "kvxfer.bench.vllm_driver",
+        lock = ["flock", args.lock] if args.lock else []  # "": the caller holds the lock
+        cmd = [*lock, "timeout", str(args.timeout), py, "-m", "kvxfer.bench.vllm_driver",
                "--sizes", *map(str, sizes), "--prompts", str(3 if args.quick else args.prompts),
                "--out", str(out), "--log-dir", args.log_dir]  # fmt: skip
         rc = subprocess.call(cmd, env=env)
@@ -169,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return rc or 1
         raw = json.loads(out.read_text())
+    if args.raw_out:
+        Path(args.raw_out).write_text(json.dumps(raw))
     doc = analyse(raw)
     print_table(
         "vLLM P/D: decode TTFT, kvxfer connector vs NixlConnector", COLUMNS, table_rows(doc)
@@ -212,4 +219,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib)")
     p.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs", help="vLLM instance logs")
     p.add_argument("--timeout", type=int, default=3600, help="driver time limit (s)")
+    p.add_argument("--lock", default=LOCK, help=f"flock file ({LOCK}; '' if already held)")
+    p.add_argument("--raw-out", metavar="PATH", help="also keep the driver's raw output")
     p.set_defaults(handler=run)  # fmt: skip

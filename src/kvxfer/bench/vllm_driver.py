@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ MODEL_SHAPE = {"layers": 64, "kv_heads": 1, "heads": 2, "head_dim": 32, "interme
 BLOCK_SIZE = 32
 DTYPE_BYTES = 4  # float32
 PROMPT_LENGTHS = (200, 256, 131, 300, 77, 224, 161, 288, 250)
+NIXL_PORT_BASE = 5610
 PROBE = {"kv_connector": "ProfiledKvxferConnector",
          "kv_connector_module_path": "kvxfer.bench.vllm_probe"}  # fmt: skip
 _PROFILE = re.compile(r"KVXFER_PROFILE (\{.*\})")
@@ -96,8 +98,15 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
     common: dict[str, Any] = {"model": model, "connector": connector, "kv_cache_gib": kv_gib, "log_dir": log_dir,
               "block_size": BLOCK_SIZE, "max_model_len": 512, "max_num_seqs": 4, **extra}  # fmt: skip
     t0 = time.perf_counter()
-    p = Instance(f"{tag}-prefill", cpus="0", **common)
-    d = Instance(f"{tag}-decode", cpus="1", **common)
+    # NixlConnector's side channel listens on VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600)
+    # in every kv_both instance: one port each, new ones per pair
+    port = NIXL_PORT_BASE + 2 * len(os.listdir(log_dir))
+    p = Instance(
+        f"{tag}-prefill", cpus="0", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}, **common
+    )
+    d = Instance(
+        f"{tag}-decode", cpus="1", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)}, **common
+    )
     try:
         init = {"prefill": p.wait_ready(900), "decode": d.wait_ready(900)}
         warm_prompt = make_prompts(1, MODEL_SHAPE["vocab"], [64], seed=99)[0]
@@ -105,8 +114,8 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
         p.gen(warm_prompt, 1)
         reqs = []
         for i, prompt in enumerate(prompts):
-            pr = p.gen(prompt, 1, {"do_remote_decode": True})
-            dr = d.gen(prompt, max_tokens, pr["kv_transfer_params"])
+            pr = p.gen(prompt, 1, {"do_remote_decode": True}, timeout_s=120)
+            dr = d.gen(prompt, max_tokens, pr["kv_transfer_params"], timeout_s=120)
             reqs.append({
                 "first": i == 0, "ttft_s": dr["ttft_s"], "t_add": dr["t_add"],
                 "total_s": dr["total_s"], "prompt_len": len(prompt),
@@ -146,7 +155,11 @@ def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str
     for kv_gib in sizes:
         for conn in connectors:
             print(f"vllm bench: {conn} at {kv_gib:g} GiB ...", file=sys.stderr, flush=True)
-            pairs.append(_one_pair(conn, kv_gib, model_dir, prompts, ref, max_tokens, log_dir))
+            try:
+                pairs.append(_one_pair(conn, kv_gib, model_dir, prompts, ref, max_tokens, log_dir))
+            except Exception as e:  # one failed pair must not lose the others' figures
+                traceback.print_exc()
+                pairs.append({"connector": conn, "kv_gib": kv_gib, "error": repr(e)})
     import vllm
 
     return {
