@@ -145,6 +145,8 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
         f"- decode tokens equal to the colocated run: "
         f"{'all' if t['all_tokens_equal'] else '**NOT all**'}",
     ]
+    for f in doc.get("failed", []):
+        lines.append(f"- **{f['connector']} at {f['kv_gib']} GiB failed**: {f['error']}")
     cols, trows = timeline_rows(doc)
     if trows:
         lines += ["", "kvxfer's first request, decode side, by phase:", "",
