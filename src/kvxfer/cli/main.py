@@ -137,6 +137,7 @@ def add_bench_parser(subparsers: Subparsers) -> None:
     add_bench_per_request_parser(bench)
     add_bench_bandwidth_parser(bench)
     add_bench_all_parser(bench)
+    __import__("kvxfer.bench.vllm", fromlist=["add_parser"]).add_parser(bench)  # bench vllm
     p.set_defaults(usage_parser=p)  # `kvxfer bench` alone prints this parser's help
 
 

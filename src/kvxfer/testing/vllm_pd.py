@@ -69,6 +69,8 @@ def _make_llm(opts: dict[str, Any]) -> Any:
         kw["kv_transfer_config"] = kv_transfer_config(opts["connector"], opts.get("extra"))
         if opts.get("failure_policy"):
             kw["kv_transfer_config"]["kv_load_failure_policy"] = opts["failure_policy"]
+        # e.g. another connector class (the benchmark's profiling subclass)
+        kw["kv_transfer_config"].update(opts.get("kv_transfer_overrides") or {})
     return LLM(**kw)
 
 
@@ -110,7 +112,7 @@ def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[s
         if done:
             break
     return {
-        "tokens": tokens, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
+        "tokens": tokens, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "t_add": t0,
         "kv_transfer_params": json.loads(json.dumps(out_params)) if out_params else None,
         "num_cached_tokens": cached, "finish_reason": finish_reason,
     }  # fmt: skip
@@ -154,7 +156,8 @@ class Instance:
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
         log_dir: where ``<role>.log`` goes.
         opts: more ``LLM`` settings: block_size, tp_size, max_model_len, extra
-            (kv_connector_extra_config), failure_policy.
+            (kv_connector_extra_config), failure_policy, kv_transfer_overrides (keys
+            merged into the kv_transfer_config, e.g. another connector class).
     """
 
     def __init__(self, role: str, *, model: str, connector: str | None, cpus: str = "0",

@@ -1,0 +1,249 @@
+"""``kvxfer bench vllm``: kvxfer's connector vs vLLM's NixlConnector inside real vLLM.
+
+Runs from the main environment: launches :mod:`kvxfer.bench.vllm_driver` under the vLLM
+environment's Python (env ``KVXFER_VLLM_PYTHON``, default ``<repo>/.venv-vllm/bin/python``)
+holding ``/tmp/kvxfer-vllm.lock`` (one vLLM job on the machine at a time), then prints
+the table and writes JSON and PNG. Per connector and KV pool size: decode-side TTFT of
+the first request to a new prefill peer, warm TTFT (median of the rest), first/warm,
+and greedy tokens equal to a colocated run. Same model, prompts and machine; a fresh
+prefill and decode per (connector, size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvxfer.bench.report import fmt_ratio, fmt_seconds, print_table, write_json
+
+__all__ = ["COLUMNS", "DEFAULT_SIZES", "QUICK_SIZES", "analyse", "run", "table_rows"]
+
+DEFAULT_SIZES = (1, 2, 4, 6)  # GiB per instance (vLLM takes whole GiB); 2 x 6 GiB + vLLM < 16 GB
+QUICK_SIZES = (1,)
+LOCK = "/tmp/kvxfer-vllm.lock"
+TARGET_FIRST_OVER_WARM = 1.2
+COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "warm TTFT",
+           "first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
+
+
+def vllm_python() -> str:
+    """The vLLM environment's interpreter: ``$KVXFER_VLLM_PYTHON`` or the repo's venv."""
+    env = os.environ.get("KVXFER_VLLM_PYTHON")
+    if env:
+        return env
+    return str(Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python")
+
+
+def analyse(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per (connector, size) figures and the issue's targets from the driver's output."""
+    from kvxfer.bench.vllm_driver import MODEL_SHAPE, nixl_descriptors, pool_blocks
+
+    shape = {k: raw["config"][k] for k in MODEL_SHAPE}
+    rows = []
+    failed = [{"connector": p["connector"], "kv_gib": p["kv_gib"], "error": p["error"]}
+              for p in raw["pairs"] if "error" in p]  # fmt: skip
+    for pair in raw["pairs"]:
+        if "error" in pair:
+            continue
+        reqs = pair["requests"]
+        warm = [r["ttft_s"] for r in reqs if not r["first"]]
+        blocks = pool_blocks(pair["kv_gib"], shape)
+        rows.append({
+            "connector": pair["connector"], "kv_gib": pair["kv_gib"], "num_blocks": blocks,
+            "num_blocks_logged": pair.get("num_blocks_logged"),
+            "nixl_descriptors_per_list": nixl_descriptors(blocks, shape),
+            "first_ttft_s": reqs[0]["ttft_s"], "warm_ttft_s": float(np.median(warm)),
+            "warm_ttfts_s": warm, "first_over_warm": reqs[0]["ttft_s"] / float(np.median(warm)),
+            "tokens_equal": sum(r["tokens_equal"] for r in reqs), "requests": len(reqs),
+            "init_s": pair["init_s"], "first_timeline_s": reqs[0].get("timeline_s"),
+            "warm_timeline_s": _median_timeline([r.get("timeline_s") for r in reqs[1:]]),
+            "peer_rows": pair.get("peer_rows"), "peer_descriptors": pair.get("peer_descriptors"),
+        })  # fmt: skip
+    nixl = {r["kv_gib"]: r for r in rows if r["connector"] == "nixl"}
+    for r in rows:
+        base = nixl.get(r["kv_gib"])
+        r["first_over_nixl_first"] = r["first_ttft_s"] / base["first_ttft_s"] if base else None
+        r["gap_s"] = base["first_ttft_s"] - r["first_ttft_s"] if base else None
+    kx = sorted((r for r in rows if r["connector"] == "kvxfer"), key=lambda r: r["kv_gib"])
+    gaps = [r["gap_s"] for r in kx if r["gap_s"] is not None]
+    largest = kx[-1] if kx else None
+    targets = {
+        "evaluated": len(gaps) >= 2,
+        "kvxfer_first_below_nixl_every_size": bool(gaps) and all(g > 0 for g in gaps),
+        "gap_grows_with_size": len(gaps) >= 2 and gaps[-1] > gaps[0],
+        "gaps_s": gaps,
+        "largest_kv_gib": largest["kv_gib"] if largest else None,
+        "kvxfer_first_over_warm_largest": largest["first_over_warm"] if largest else None,
+        "first_over_warm_met": (
+            largest is not None and largest["first_over_warm"] <= TARGET_FIRST_OVER_WARM
+        ),
+        "all_tokens_equal": all(r["tokens_equal"] == r["requests"] for r in rows) and not failed,
+    }
+    return {"config": raw["config"], "rows": rows, "targets": targets, "failed": failed}
+
+
+def _median_timeline(tls: list[dict[str, float] | None]) -> dict[str, float] | None:
+    good = [t for t in tls if t]
+    if not good:
+        return None
+    return {k: float(np.median([t[k] for t in good])) for k in good[0]}
+
+
+def table_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """One row per (size, connector), for the console and the markdown page."""
+    return [
+        [r["connector"], f"{r['kv_gib']:g}", f"{r['num_blocks']:,}",
+         f"{r['nixl_descriptors_per_list']:,}", fmt_seconds(r["first_ttft_s"]),
+         fmt_seconds(r["warm_ttft_s"]), fmt_ratio(r["first_over_warm"]),
+         fmt_ratio(r["first_over_nixl_first"]), f"{r['tokens_equal']}/{r['requests']}"]
+        for r in sorted(doc["rows"], key=lambda r: (r["kv_gib"], r["connector"] != "nixl"))
+    ]  # fmt: skip
+
+
+def timeline_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """kvxfer's first request, phase by phase (s), per size."""
+    kx = [r for r in doc["rows"] if r["connector"] == "kvxfer" and r["first_timeline_s"]]
+    if not kx:
+        return [], []
+    keys = list(kx[0]["first_timeline_s"])
+    cols = ["KV GiB", *keys, "TTFT"]
+    rows = [[f"{r['kv_gib']:g}", *(fmt_seconds(max(0.0, r["first_timeline_s"][k])) for k in keys),
+             fmt_seconds(r["first_ttft_s"])] for r in kx]  # fmt: skip
+    return cols, rows
+
+
+def markdown_section(doc: dict[str, Any]) -> list[str]:
+    """The tables and targets of ``docs/benchmarks.md``'s vLLM section (analysis added by hand)."""
+    from kvxfer.bench.report import markdown_table
+
+    c, t = doc["config"], doc["targets"]
+    lines = [
+        f"Model: random Llama, {c['layers']} layers, {c['kv_heads']} KV head, head_dim "
+        f"{c['head_dim']}, float32, block_size {c['block_size']}: "
+        f"{c['page_bytes_per_layer'] // 1024} KiB per (layer, block). vLLM {c['vllm']} (CPU). "
+        f"Prompts of {min(c['prompt_lengths'])}-{max(c['prompt_lengths'])} tokens, "
+        f"{c['max_tokens']} greedy tokens; request 0 is the first to the new prefill, "
+        f"warm = median of the other {len(c['prompt_lengths']) - 1}.",
+        "",
+        markdown_table(COLUMNS, table_rows(doc)),
+        "",
+        f"- kvxfer first TTFT below NixlConnector's at every size: "
+        f"{'**met**' if t['kvxfer_first_below_nixl_every_size'] else '**MISSED**'}; gap "
+        f"(Nixl - kvxfer) by size: {', '.join(fmt_seconds(g) for g in t['gaps_s'])}, growing: "
+        f"{'**met**' if t['gap_grows_with_size'] else '**MISSED**'}",
+        f"- kvxfer first/warm at {t['largest_kv_gib']} GiB: "
+        f"{fmt_ratio(t['kvxfer_first_over_warm_largest'])} (target <= 1.2x): "
+        f"{'**met**' if t['first_over_warm_met'] else '**MISSED**'}",
+        f"- decode tokens equal to the colocated run: "
+        f"{'all' if t['all_tokens_equal'] else '**NOT all**'}",
+    ]
+    for f in doc.get("failed", []):
+        lines.append(f"- **{f['connector']} at {f['kv_gib']} GiB failed**: {f['error']}")
+    cols, trows = timeline_rows(doc)
+    if trows:
+        lines += ["", "kvxfer's first request, decode side, by phase:", "",
+                  markdown_table(cols, trows)]  # fmt: skip
+    return lines
+
+
+def save_png(path: str | Path, doc: dict[str, Any]) -> Path:
+    """First and warm decode TTFT (log) vs KV pool size, both connectors."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for c in ("nixl", "kvxfer"):
+        rows = sorted((r for r in doc["rows"] if r["connector"] == c), key=lambda r: r["kv_gib"])
+        for k, style in (("first", "-o"), ("warm", "--s")):
+            ax.semilogy([r["kv_gib"] for r in rows], [r[f"{k}_ttft_s"] for r in rows], style,
+                        label=f"{c} {k}")  # fmt: skip
+    rows = sorted((r for r in doc["rows"] if r["connector"] == "nixl"), key=lambda r: r["kv_gib"])
+    ax.set_xticks([r["kv_gib"] for r in rows])
+    ax.set_xticklabels([f"{r['kv_gib']} GiB\n{r['nixl_descriptors_per_list'] / 1e3:.0f}k"
+                        for r in rows])  # fmt: skip
+    ax.set_title("vLLM P/D decode TTFT: first request to a new prefill vs warm")
+    ax.set_xlabel("KV pool per instance / NixlConnector (layer, block) descriptors per list")
+    ax.set_ylabel("decode TTFT (s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``kvxfer bench vllm``; 0 when every decode matched the colocated tokens."""
+    sizes = list(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    py = vllm_python()
+    if not os.path.exists(py):
+        print(f"kvxfer bench vllm: no vLLM python at {py} (set KVXFER_VLLM_PYTHON or run "
+              "scripts/_vllm_venv.sh)", file=sys.stderr)  # fmt: skip
+        return 2
+    src = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvxfer-vllm-bench-") as tmp:
+        out = Path(tmp) / "raw.json"
+        lock = ["flock", args.lock] if args.lock else []  # "": the caller holds the lock
+        cmd = [*lock, "timeout", str(args.timeout), py, "-m", "kvxfer.bench.vllm_driver",
+               "--sizes", *map(str, sizes), "--prompts", str(3 if args.quick else args.prompts),
+               "--out", str(out), "--log-dir", args.log_dir]  # fmt: skip
+        rc = subprocess.call(cmd, env=env)
+        if rc != 0 or not out.exists():
+            print(f"kvxfer bench vllm: driver failed (exit {rc}); logs in {args.log_dir}",
+                  file=sys.stderr)  # fmt: skip
+            return rc or 1
+        raw = json.loads(out.read_text())
+    if args.raw_out:
+        Path(args.raw_out).write_text(json.dumps(raw))
+    doc = analyse(raw)
+    print_table(
+        "vLLM P/D: decode TTFT, kvxfer connector vs NixlConnector", COLUMNS, table_rows(doc)
+    )
+    cols, trows = timeline_rows(doc)
+    if trows:
+        print_table("kvxfer: first request's decode TTFT by phase", cols, trows)
+    if args.json:
+        write_json(args.json, {"benchmark": "vllm", **doc})
+        Path(args.json).with_suffix(".md").write_text("\n".join(markdown_section(doc)) + "\n")
+    if args.png:
+        save_png(args.png, doc)
+    return 0 if doc["targets"]["all_tokens_equal"] else 1
+
+
+def add_parser(subparsers: Any) -> None:
+    """``kvxfer bench vllm`` (registered by ``kvxfer.cli.main``)."""
+    p = subparsers.add_parser(
+        "vllm",
+        help="kvxfer connector vs vLLM's NixlConnector: first/warm decode TTFT by KV pool size",
+    )
+    p.add_argument("--quick", action="store_true", help="smallest pool, 3 prompts (smoke test)")
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        metavar="GIB",
+        help=f"KV pool GiB per instance (default {' '.join(map(str, DEFAULT_SIZES))})",
+    )
+    p.add_argument(
+        "--prompts", type=int, default=9, help="requests per pair: 1 first + warm (default 9)"
+    )
+    p.add_argument("--json", metavar="PATH", help="write results and machine info as JSON")
+    p.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib)")
+    p.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs", help="vLLM instance logs")
+    p.add_argument("--timeout", type=int, default=3600, help="driver time limit (s)")
+    p.add_argument("--lock", default=LOCK, help=f"flock file ({LOCK}; '' if already held)")
+    p.add_argument("--raw-out", metavar="PATH", help="also keep the driver's raw output")
+    p.set_defaults(handler=run)  # fmt: skip

@@ -1,0 +1,197 @@
+"""The vLLM side of ``kvxfer bench vllm``: runs under the vLLM environment's Python.
+
+    python -m kvxfer.bench.vllm_driver --sizes 1 2 --out /tmp/vllm-bench.json
+
+1. Builds a deep, narrow random Llama (``tiny_model.build``: many layers, 1 KV head,
+   head_dim 32, float32) so that one block of one layer is 8 KiB and a KV pool of
+   ``S`` GiB holds ``S * 2**30 / 8 KiB`` (layer, block) pairs: NixlConnector's
+   per-block descriptor count on the CPU backend (K and V are packed per block, one
+   region per layer, one descriptor per (layer, block)).
+2. Runs every prompt colocated (no connector): the reference tokens.
+3. Per pool size and connector: a fresh prefill (core 0) and decode (core 1);
+   one local request on each (warms the forward pass, touches no connector); then per
+   prompt a prefill request (``do_remote_decode``, 1 token) and a decode request with
+   the returned ``kv_transfer_params``. Request 0 is the first to the new prefill peer;
+   the others are warm. Tokens are compared with the colocated run.
+
+kvxfer runs through :class:`~kvxfer.bench.vllm_probe.ProfiledKvxferConnector` (the
+connector plus one log line per finished load), whose lines give the first request's
+timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from kvxfer.testing.tiny_model import build
+from kvxfer.testing.vllm_pd import Instance, make_prompts
+
+__all__ = ["MODEL_SHAPE", "main", "nixl_descriptors", "pool_blocks", "run_driver"]
+
+MODEL_SHAPE = {"layers": 64, "kv_heads": 1, "heads": 2, "head_dim": 32, "intermediate": 128,
+               "vocab": 1024}  # fmt: skip
+BLOCK_SIZE = 32
+DTYPE_BYTES = 4  # float32
+PROMPT_LENGTHS = (200, 256, 131, 300, 77, 224, 161, 288, 250)
+NIXL_PORT_BASE = 5610
+PROBE = {"kv_connector": "ProfiledKvxferConnector",
+         "kv_connector_module_path": "kvxfer.bench.vllm_probe"}  # fmt: skip
+_PROFILE = re.compile(r"KVXFER_PROFILE (\{.*\})")
+_BLOCKS = re.compile(r"kvxfer worker rank \d+: \S+, (\d+) layers x (\d+) blocks")
+_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def page_bytes(shape: dict[str, int] = MODEL_SHAPE) -> int:
+    """Bytes of one block of one layer (K and V): block x kv_heads x 2 x head_dim x 4 B."""
+    return BLOCK_SIZE * shape["kv_heads"] * 2 * shape["head_dim"] * DTYPE_BYTES
+
+
+def pool_blocks(kv_gib: float, shape: dict[str, int] = MODEL_SHAPE) -> int:
+    """Blocks vLLM's CPU backend makes of ``kv_gib`` GiB (whole blocks over all layers)."""
+    return int(kv_gib * (1 << 30)) // (page_bytes(shape) * shape["layers"])
+
+
+def nixl_descriptors(num_blocks: int, shape: dict[str, int] = MODEL_SHAPE) -> int:
+    """NixlConnector's descriptors per list on the CPU backend: one per (layer, block)."""
+    return shape["layers"] * num_blocks
+
+
+def _scan_log(path: str) -> dict[str, Any]:
+    text = Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+    out: dict[str, Any] = {"profile": [json.loads(m) for m in _PROFILE.findall(text)]}
+    if m := _BLOCKS.search(text):
+        out["layers"], out["num_blocks"] = int(m.group(1)), int(m.group(2))
+    if m := _TOKENS.search(text):
+        out["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+    return out
+
+
+def _timeline(req: dict[str, Any], prof: dict[str, Any] | None) -> dict[str, float] | None:
+    """Where one decode request's TTFT went (s): from add_request to the read's start,
+    the peer's first-contact phases, the wire, and from completion to the first token."""
+    if prof is None or not prof.get("posted_at"):
+        return None
+    t_add, ttft = req["t_add"], req["ttft_s"]
+    contact = prof["peer_timings_s"] if req["first"] else {}  # paid once per peer
+    start_to_post = prof["posted_at"] - prof["started_at"]
+    return {
+        "schedule_to_read": prof["started_at"] - t_add,
+        **{f"contact_{k}": float(v) for k, v in contact.items()},
+        "read_to_post_other": start_to_post - sum(contact.values()),
+        "post_to_done": prof["finished_at"] - prof["posted_at"],
+        "done_to_first_token": t_add + ttft - prof["finished_at"],
+    }
+
+
+def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]],
+              ref: list[list[int]], max_tokens: int, log_dir: str) -> dict[str, Any]:  # fmt: skip
+    tag = f"{connector}-{kv_gib:g}g"
+    extra = {"kv_transfer_overrides": PROBE} if connector == "kvxfer" else {}
+    common: dict[str, Any] = {"model": model, "connector": connector, "kv_cache_gib": kv_gib, "log_dir": log_dir,
+              "block_size": BLOCK_SIZE, "max_model_len": 512, "max_num_seqs": 4, **extra}  # fmt: skip
+    t0 = time.perf_counter()
+    # NixlConnector's side channel listens on VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600)
+    # in every kv_both instance: one port each, new ones per pair
+    port = NIXL_PORT_BASE + 2 * len(os.listdir(log_dir))
+    p = Instance(
+        f"{tag}-prefill", cpus="0", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}, **common
+    )
+    d = Instance(
+        f"{tag}-decode", cpus="1", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)}, **common
+    )
+    try:
+        init = {"prefill": p.wait_ready(900), "decode": d.wait_ready(900)}
+        warm_prompt = make_prompts(1, MODEL_SHAPE["vocab"], [64], seed=99)[0]
+        d.gen(warm_prompt, 2)  # the decode's forward pass is warm; no connector involved
+        p.gen(warm_prompt, 1)
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            pr = p.gen(prompt, 1, {"do_remote_decode": True}, timeout_s=120)
+            dr = d.gen(prompt, max_tokens, pr["kv_transfer_params"], timeout_s=120)
+            reqs.append({
+                "first": i == 0, "ttft_s": dr["ttft_s"], "t_add": dr["t_add"],
+                "total_s": dr["total_s"], "prompt_len": len(prompt),
+                "num_cached_tokens": dr["num_cached_tokens"], "tokens_equal": dr["tokens"] == ref[i],
+                "prefill_ttft_s": pr["ttft_s"],
+            })  # fmt: skip
+    finally:
+        p.stop(60)
+        d.stop(60)
+    dlog, plog = _scan_log(d.log_path), _scan_log(p.log_path)
+    profs = dlog["profile"]
+    for r, prof in zip(reqs, profs if len(profs) == len(reqs) else [None] * len(reqs), strict=True):
+        r["timeline_s"] = _timeline(r, prof)
+    return {
+        "connector": connector, "kv_gib": kv_gib, "init_s": init, "requests": reqs,
+        "num_blocks_logged": dlog.get("num_blocks") or plog.get("num_blocks"),
+        "kv_cache_tokens_logged": dlog.get("kv_cache_tokens"),
+        "peer_descriptors": profs[0]["peer_descriptors"] if profs else None,
+        "peer_rows": profs[0]["peer_rows"] if profs else None,
+        "wall_s": time.perf_counter() - t0, "decode_log": d.log_path,
+    }  # fmt: skip
+
+
+def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str, log_dir: str,
+               connectors: list[str]) -> dict[str, Any]:  # fmt: skip
+    """Every (size, connector) pair, fresh instances each; the colocated reference first."""
+    os.makedirs(log_dir, exist_ok=True)
+    digest = build(model_dir, **MODEL_SHAPE)
+    prompts = make_prompts(n_prompts, MODEL_SHAPE["vocab"], PROMPT_LENGTHS, seed=0)
+    t0 = time.perf_counter()
+    with Instance("colocated", model=model_dir, connector=None, cpus="0", kv_cache_gib=1,
+                  log_dir=log_dir, block_size=BLOCK_SIZE, max_model_len=512,
+                  max_num_seqs=4) as colo:  # fmt: skip
+        colo.wait_ready(900)
+        ref = [colo.gen(pr, max_tokens)["tokens"] for pr in prompts]
+    pairs = []
+    for kv_gib in sizes:
+        for conn in connectors:
+            print(f"vllm bench: {conn} at {kv_gib:g} GiB ...", file=sys.stderr, flush=True)
+            try:
+                pairs.append(_one_pair(conn, kv_gib, model_dir, prompts, ref, max_tokens, log_dir))
+            except Exception as e:  # one failed pair must not lose the others' figures
+                traceback.print_exc()
+                pairs.append({"connector": conn, "kv_gib": kv_gib, "error": repr(e)})
+    import vllm
+
+    return {
+        "config": {
+            **MODEL_SHAPE,
+            "block_size": BLOCK_SIZE,
+            "dtype": "float32",
+            "page_bytes_per_layer": page_bytes(),
+            "prompt_lengths": [len(p) for p in prompts],
+            "max_tokens": max_tokens,
+            "sizes_gib": sizes,
+            "weights_sha256": digest,
+            "vllm": vllm.__version__,
+            "colocated_s": time.perf_counter() - t0,
+        },
+        "pairs": pairs,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", required=True, help="KV pool GiB per instance")
+    ap.add_argument("--prompts", type=int, default=9, help="1 first + warm requests")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--connectors", nargs="+", default=["nixl", "kvxfer"])
+    ap.add_argument("--model-dir", default="/tmp/kvxfer-vllm-bench-model")
+    ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    doc = run_driver(a.sizes, a.prompts, a.max_tokens, a.model_dir, a.log_dir, a.connectors)
+    Path(a.out).write_text(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""``kvxfer bench vllm``'s arithmetic (no vLLM here): NixlConnector's descriptor count
+from the layout, and the figures and targets derived from the driver's raw output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxfer.bench.vllm import analyse, markdown_section, table_rows
+from kvxfer.bench.vllm_driver import MODEL_SHAPE, nixl_descriptors, page_bytes, pool_blocks
+
+
+def test_descriptor_count_follows_the_layout() -> None:
+    # 32 tokens x 1 KV head x (K+V) x 32 x 4 B = 8 KiB per (layer, block)
+    assert page_bytes() == 8192
+    # 1 GiB over 64 layers of 8 KiB blocks: 2048 blocks, 64 x 2048 (layer, block) descriptors
+    assert pool_blocks(1.0) == 2048
+    assert nixl_descriptors(pool_blocks(1.0)) == 131_072
+    assert nixl_descriptors(pool_blocks(8.0)) == 1 << 20
+
+
+def _pair(conn: str, gib: float, first: float, warm: list[float], equal: bool = True) -> dict[str, Any]:  # fmt: skip
+    reqs = [{"first": True, "ttft_s": first, "tokens_equal": equal}]
+    reqs += [{"first": False, "ttft_s": w, "tokens_equal": True} for w in warm]
+    return {"connector": conn, "kv_gib": gib, "init_s": {}, "requests": reqs}
+
+
+def test_analyse_ratios_and_targets() -> None:
+    raw = {
+        "config": {
+            **MODEL_SHAPE,
+            "block_size": 32,
+            "page_bytes_per_layer": 8192,
+            "vllm": "0.32.0",
+            "prompt_lengths": [200, 256, 131, 300],
+            "max_tokens": 8,
+        },
+        "pairs": [
+            _pair("nixl", 1.0, 0.30, [0.02, 0.03, 0.04]),
+            _pair("kvxfer", 1.0, 0.10, [0.01, 0.02, 0.05]),
+            _pair("nixl", 4.0, 0.90, [0.02, 0.02, 0.02]),
+            _pair("kvxfer", 4.0, 0.03, [0.02, 0.02, 0.02], equal=False),
+        ],
+    }
+    doc = analyse(raw)
+    kx = {r["kv_gib"]: r for r in doc["rows"] if r["connector"] == "kvxfer"}
+    assert kx[1.0]["warm_ttft_s"] == 0.02
+    assert abs(kx[1.0]["first_over_warm"] - 5.0) < 1e-9
+    assert abs(kx[1.0]["first_over_nixl_first"] - 1 / 3) < 1e-9
+    assert kx[4.0]["nixl_descriptors_per_list"] == 64 * 8192
+    t = doc["targets"]
+    assert t["kvxfer_first_below_nixl_every_size"] and t["gap_grows_with_size"]
+    assert abs(t["kvxfer_first_over_warm_largest"] - 1.5) < 1e-9
+    assert not t["first_over_warm_met"]
+    assert not t["all_tokens_equal"]
+    rows = table_rows(doc)
+    assert [r[0] for r in rows] == ["nixl", "kvxfer", "nixl", "kvxfer"]
+    assert rows[3][-1] == "3/4" and rows[1][6] == "5x"
+    md = "\n".join(markdown_section(doc))
+    assert "| kvxfer | 4 | 8,192 | 524,288 | 30 ms | 20 ms | 1.5x | 0.0333x | 3/4 |" in md
+    assert "(target <= 1.2x): **MISSED**" in md and "**NOT all**" in md
