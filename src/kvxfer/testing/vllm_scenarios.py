@@ -98,6 +98,20 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         d.stop()
 
 
+def _evidence(*insts: Instance, n: int = 4) -> list[str]:
+    """The last KV-load outcomes and vLLM hang warnings in the instances' logs."""
+    keys = ("KV load ended", "Failing", "shared memory broadcast", "Error")
+    lines: list[str] = []
+    for inst in insts:
+        try:
+            with open(inst.log_path, errors="replace") as f:
+                hits = [ln.strip()[:300] for ln in f if any(k in ln for k in keys)]
+        except OSError:
+            continue
+        lines += [f"{inst.role}: {ln}" for ln in hits if "Tokenizer" not in ln][-n:]
+    return lines
+
+
 def scenario_tokens(a: argparse.Namespace) -> dict[str, Any]:
     prompts = prompt_set()
     with _start("colocated", a, None, "0") as c:
@@ -110,6 +124,7 @@ def scenario_tokens(a: argparse.Namespace) -> dict[str, Any]:
         want = {f"p{tp_p}", f"d{tp_d}"}
         for k in [k for k in live if k not in want]:
             live.pop(k).stop()
+        recs: list[dict[str, Any]] = []
         try:
             for k, tp in ((f"p{tp_p}", tp_p), (f"d{tp_d}", tp_d)):
                 if k not in live:
@@ -117,11 +132,15 @@ def scenario_tokens(a: argparse.Namespace) -> dict[str, Any]:
                     live[k] = _start(f"{k}-for-{pair}", a, "kvxfer", cpus, tp)
             init = {k: live[k].wait_ready() if live[k].init_s is None else 0.0 for k in want}
             t0 = time.perf_counter()
-            recs = [_pd(live[f"p{tp_p}"], live[f"d{tp_d}"], q, r)
-                    for q, r in zip(prompts, refs, strict=False)]  # fmt: skip
+            for q, r in zip(prompts, refs, strict=False):
+                if time.perf_counter() - t0 > a.pair_budget_s:
+                    raise TimeoutError(f"pair budget {a.pair_budget_s} s spent after "
+                                       f"{len(recs)} prompts")  # fmt: skip
+                recs.append(_pd(live[f"p{tp_p}"], live[f"d{tp_d}"], q, r))
             pairs[pair] = {"init": init, "records": recs, "run_s": time.perf_counter() - t0}
         except Exception as e:  # a pair vLLM cannot run is reported, not hidden
-            pairs[pair] = {"error": f"{type(e).__name__}: {e}"[-4000:]}
+            pairs[pair] = {"error": f"{type(e).__name__}: {e}"[-2000:], "records": recs,
+                           "evidence": _evidence(*live.values())}  # fmt: skip
             for k in list(live):
                 live.pop(k).kill()
     for inst in live.values():
@@ -195,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default="/tmp/kvxfer-tiny-llama", help="built if missing")
     ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-logs")
     ap.add_argument("--pairs", default="1-1,1-2,2-1", help="tokens: TP pairs P-D")
+    ap.add_argument("--pair-budget-s", type=float, default=600, help="tokens: per TP pair")
     ap.add_argument("--policy", default="fail", choices=["fail", "recompute"])
     ap.add_argument("--deadline-s", type=float, default=5.0, help="decode load deadline")
     ap.add_argument("--lease-s", type=float, default=3.0, help="prefill lease (faults)")
