@@ -87,3 +87,5 @@ def test_http_proxy_tokens_equal_colocated(vllm_ready: None, tmp_path: Path) -> 
     for r in recs:
         assert r["tokens"] is not None and len(r["tokens"]) == 8, r
         assert r["tokens"] == r["ref"], r
+    neg = res["negative"]  # the decode server really uses the KV it is handed
+    assert neg["finish_reason"] == "length" and neg["tokens"] != neg["ref"], neg

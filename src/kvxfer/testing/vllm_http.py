@@ -106,7 +106,13 @@ def run_http(a: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
                 "finish_reason": choice.get("finish_reason"),
                 "elapsed_s": round(time.perf_counter() - t, 3),
             })  # fmt: skip
-        return {"init_s": round(init_s, 1), "records": records}
+        # negative control: prompt A decoded (directly on D) with prompt B's KV
+        a_prompt, b_prompt = prompts[-1], [(t * 7 + 3) % 1000 + 3 for t in prompts[-1]]
+        b_params = completion(p_url, a.model, b_prompt, 1, {"do_remote_decode": True})
+        neg = completion(d_url, a.model, a_prompt, max_tokens, b_params["kv_transfer_params"])
+        negative = {"tokens": neg["choices"][0].get("token_ids"), "ref": records[-1]["ref"],
+                    "finish_reason": neg["choices"][0].get("finish_reason")}  # fmt: skip
+        return {"init_s": round(init_s, 1), "records": records, "negative": negative}
     finally:
         for proc in reversed(procs):
             _stop(proc)
