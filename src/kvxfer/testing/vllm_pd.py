@@ -65,6 +65,8 @@ def _make_llm(opts: dict[str, Any]) -> Any:
         "tensor_parallel_size": opts.get("tp_size", 1),
         "seed": 0,
     }
+    if opts.get("num_gpu_blocks_override"):  # a small pool: freed blocks are reused soon
+        kw["num_gpu_blocks_override"] = int(opts["num_gpu_blocks_override"])
     if opts.get("connector"):
         kw["kv_transfer_config"] = kv_transfer_config(opts["connector"], opts.get("extra"))
         if opts.get("failure_policy"):
@@ -156,8 +158,9 @@ class Instance:
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
         log_dir: where ``<role>.log`` goes.
         opts: more ``LLM`` settings: block_size, tp_size, max_model_len, extra
-            (kv_connector_extra_config), failure_policy, kv_transfer_overrides (keys
-            merged into the kv_transfer_config, e.g. another connector class).
+            (kv_connector_extra_config), failure_policy, num_gpu_blocks_override,
+            kv_transfer_overrides (keys merged into the kv_transfer_config, e.g. another
+            connector class).
     """
 
     def __init__(self, role: str, *, model: str, connector: str | None, cpus: str = "0",

@@ -151,7 +151,7 @@ class WorkerSide:
             recving.add(rid)
             if state is not RequestState.DONE:
                 err = load.error or (load.transfer.error if load.transfer else None)
-                log.warning("request %s: KV load ended %s (%s); vLLM recomputes %d blocks",
+                log.warning("request %s: KV load ended %s (%s); %d blocks go to kv_load_failure_policy",
                             rid, state.value, err, len(load.job.local_block_ids))  # fmt: skip
                 self._load_errors.update(load.job.local_block_ids)
         return sending, recving

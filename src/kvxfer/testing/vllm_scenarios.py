@@ -1,0 +1,240 @@
+"""P/D scenarios with kvxfer's vLLM connector in a real vLLM; results as JSON.
+
+Runs under the vLLM environment's Python (``scripts/_vllm_venv.sh``); the tests in
+``tests/vllm`` launch it as a subprocess and assert on the JSON it writes.
+
+    python -m kvxfer.testing.vllm_scenarios ci --json out.json
+    python -m kvxfer.testing.vllm_scenarios tokens --pairs 1-1,2-1,1-2 --json out.json
+    python -m kvxfer.testing.vllm_scenarios faults --json out.json
+    python -m kvxfer.testing.vllm_scenarios http --json out.json
+
+Scenarios:
+    ci: one prefill and one decode (TP 1); 4 prompts, decode tokens vs colocated, and
+        the negative control (prompt A decoded with prompt B's KV).
+    tokens: a colocated reference, then each TP pair ``P-D`` over 18 prompts.
+    faults: lease expiry, a prefill killed before the decode reads, a restarted
+        prefill on the same port (fresh and stale params), one decode instance.
+    http: two OpenAI servers and ``examples/vllm/proxy.py`` between them.
+The colocated reference of ``ci``, ``faults`` and ``http`` is the prefill instance
+serving a request without ``kv_transfer_params`` (its connector stays idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvxfer.testing.vllm_pd import Instance, make_prompts
+
+__all__ = ["SCENARIOS", "main", "prompt_set"]
+
+VOCAB = 1024
+MAX_TOKENS = 8
+PREFILL = {"do_remote_decode": True}
+
+
+def prompt_set(n: int = 18, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts from 5 to 200 tokens, many not multiples of 32; every sixth one
+    shares 64 (or 32) tokens with the one before it, so the decode hits its prefix cache."""
+    lengths = [5, 17, 31, 32, 33, 40, 63, 64, 65, 70, 96, 100, 129, 150, 200, 45, 77, 160]
+    prompts = make_prompts(n, VOCAB, lengths, seed=seed)
+    for i in range(5, n, 6):
+        prev = prompts[i - 1]
+        shared = 64 if len(prev) >= 64 else 32 if len(prev) >= 32 else 0
+        prompts[i] = prev[:shared] + prompts[i][: max(8, len(prompts[i]) - shared)]
+    return prompts
+
+
+def _pd(p: Instance, d: Instance, prompt: Sequence[int], ref: Sequence[int] | None,
+        params: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Prefill on ``p`` (unless ``params`` are given), decode on ``d``; one record."""
+    t0 = time.perf_counter()
+    if params is None:
+        params = p.gen(prompt, 1, PREFILL)["kv_transfer_params"]
+    r = d.gen(prompt, MAX_TOKENS, params)
+    return {
+        "prompt_len": len(prompt), "tokens": r["tokens"], "ref": list(ref or []),
+        "equal": ref is not None and r["tokens"] == list(ref), "finish_reason": r["finish_reason"],
+        "ttft_ms": None if r["ttft_s"] is None else round(r["ttft_s"] * 1e3, 1),
+        "num_cached_tokens": r["num_cached_tokens"], "elapsed_s": round(time.perf_counter() - t0, 2),
+        "params": params,
+    }  # fmt: skip
+
+
+def _start(role: str, a: argparse.Namespace, connector: str | None, cpus: str, tp: int = 1,
+           **opts: Any) -> Instance:  # fmt: skip
+    return Instance(role, model=a.model, connector=connector, cpus=cpus, log_dir=a.log_dir,
+                    tp_size=tp, **opts)  # fmt: skip
+
+
+def _refs(inst: Instance, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [list(inst.gen(q, MAX_TOKENS)["tokens"]) for q in prompts]
+
+
+def _negative(p: Instance, d: Instance, a_prompt: list[int], a_ref: list[int]) -> dict[str, Any]:
+    """Decode prompt A with the KV of prompt B (same length): tokens must differ."""
+    b_prompt = make_prompts(1, VOCAB, [len(a_prompt)], seed=99)[0]
+    b_params = p.gen(b_prompt, 1, PREFILL)["kv_transfer_params"]
+    rec = _pd(p, d, a_prompt, a_ref, params=b_params)
+    return {**rec, "differs": rec["tokens"] != a_ref}
+
+
+def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
+    prompts = make_prompts(4, VOCAB, [40, 70, 129, 17], seed=1)
+    neg = make_prompts(1, VOCAB, [70], seed=7)[0]
+    p, d = _start("prefill", a, "kvxfer", "0"), _start("decode", a, "kvxfer", "1")
+    try:
+        init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready()}
+        refs = _refs(p, [*prompts, neg])
+        records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
+        return {"init": init, "records": records, "negative": _negative(p, d, neg, refs[-1])}
+    finally:
+        p.stop()
+        d.stop()
+
+
+def _evidence(*insts: Instance, n: int = 4) -> list[str]:
+    """The last KV-load outcomes and vLLM hang warnings in the instances' logs."""
+    keys = ("KV load ended", "Failing", "shared memory broadcast", "Error")
+    lines: list[str] = []
+    for inst in insts:
+        try:
+            with open(inst.log_path, errors="replace") as f:
+                hits = [ln.strip()[:300] for ln in f if any(k in ln for k in keys)]
+        except OSError:
+            continue
+        lines += [f"{inst.role}: {ln}" for ln in hits if "Tokenizer" not in ln][-n:]
+    return lines
+
+
+def scenario_tokens(a: argparse.Namespace) -> dict[str, Any]:
+    prompts = prompt_set()
+    with _start("colocated", a, None, "0") as c:
+        c.wait_ready()
+        refs = _refs(c, prompts)
+    live: dict[str, Instance] = {}
+    pairs: dict[str, Any] = {}
+    for pair in a.pairs.split(","):
+        tp_p, tp_d = (int(x) for x in pair.split("-"))
+        want = {f"p{tp_p}", f"d{tp_d}"}
+        for k in [k for k in live if k not in want]:
+            live.pop(k).stop()
+        recs: list[dict[str, Any]] = []
+        try:
+            for k, tp in ((f"p{tp_p}", tp_p), (f"d{tp_d}", tp_d)):
+                if k not in live:
+                    cpus = "0|1" if tp > 1 else ("0" if k[0] == "p" else "1")
+                    live[k] = _start(f"{k}-for-{pair}", a, "kvxfer", cpus, tp)
+            init = {k: live[k].wait_ready() if live[k].init_s is None else 0.0 for k in want}
+            t0 = time.perf_counter()
+            for q, r in zip(prompts, refs, strict=False):
+                if time.perf_counter() - t0 > a.pair_budget_s:
+                    raise TimeoutError(f"pair budget {a.pair_budget_s} s spent after "
+                                       f"{len(recs)} prompts")  # fmt: skip
+                recs.append(_pd(live[f"p{tp_p}"], live[f"d{tp_d}"], q, r))
+            pairs[pair] = {"init": init, "records": recs, "run_s": time.perf_counter() - t0}
+        except Exception as e:  # a pair vLLM cannot run is reported, not hidden
+            pairs[pair] = {"error": f"{type(e).__name__}: {e}"[-2000:], "records": recs,
+                           "evidence": _evidence(*live.values())}  # fmt: skip
+            for k in list(live):
+                live.pop(k).kill()
+    for inst in live.values():
+        inst.stop()
+    return {"pairs": pairs, "num_prompts": len(prompts)}
+
+
+def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
+    """One decode; prefill #1 (short lease, fixed port) is killed; prefill #2 takes the port."""
+    port = a.port or _free_port()
+    extra = {"side_channel_port": port, "lease_s": a.lease_s}
+    popts: dict[str, Any] = {"extra": extra, "num_gpu_blocks_override": 256}
+    prompts = make_prompts(6, VOCAB, [70, 100, 65, 129, 96, 40], seed=3)
+    warm, lease_q, kill_q, stale_q, fresh_q, fresh2_q = prompts
+    d = _start("decode", a, "kvxfer", "1", extra={"deadline_s": a.deadline_s},
+               failure_policy=a.policy)  # fmt: skip
+    p = _start("prefill1", a, "kvxfer", "0", **popts)
+    out: dict[str, Any] = {"policy": a.policy, "deadline_s": a.deadline_s, "lease_s": a.lease_s}
+    try:
+        d.wait_ready()
+        p.wait_ready()
+        refs = _refs(p, prompts)
+        out["warm"] = _pd(p, d, warm, refs[0])
+        # lease: never decoded in time; its blocks are released, then reused by others
+        lease_params = p.gen(lease_q, 1, PREFILL)["kv_transfer_params"]
+        time.sleep(a.lease_s + 2)
+        for q in make_prompts(48, VOCAB, [200], seed=11):  # 48 x 7 blocks > 256
+            p.gen(q, 1)
+        out["lease"] = _pd(p, d, lease_q, refs[1], params=lease_params)
+        # kill the prefill after its prefill, before the decode reads
+        kill_params = p.gen(kill_q, 1, PREFILL)["kv_transfer_params"]
+        stale_params = p.gen(stale_q, 1, PREFILL)["kv_transfer_params"]
+        p.kill()
+        out["killed"] = _pd(p, d, kill_q, refs[2], params=kill_params)
+        # a new prefill incarnation on the same port; the decode is not restarted
+        p = _start("prefill2", a, "kvxfer", "0", **popts)
+        p.wait_ready()
+        out["restarted"] = _pd(p, d, fresh_q, refs[4])
+        out["stale"] = _pd(p, d, stale_q, refs[3], params=stale_params)
+        out["restarted_after_stale"] = _pd(p, d, fresh2_q, refs[5])
+        return out
+    finally:
+        p.stop()
+        d.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scenario_http(a: argparse.Namespace) -> dict[str, Any]:
+    from kvxfer.testing.vllm_http import run_http
+
+    return run_http(a, prompt_set()[:6], MAX_TOKENS, _free_port)
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "ci": scenario_ci, "tokens": scenario_tokens, "faults": scenario_faults, "http": scenario_http,
+}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("--json", help="write the results here (else stdout)")
+    ap.add_argument("--model", default="/tmp/kvxfer-tiny-llama", help="built if missing")
+    ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-logs")
+    ap.add_argument("--pairs", default="1-1,1-2,2-1", help="tokens: TP pairs P-D")
+    ap.add_argument("--pair-budget-s", type=float, default=600, help="tokens: per TP pair")
+    ap.add_argument("--policy", default="fail", choices=["fail", "recompute"])
+    ap.add_argument("--deadline-s", type=float, default=5.0, help="decode load deadline")
+    ap.add_argument("--lease-s", type=float, default=3.0, help="prefill lease (faults)")
+    ap.add_argument("--port", type=int, default=0, help="prefill side-channel port (faults)")
+    a = ap.parse_args(argv)
+    from kvxfer.testing.tiny_model import build
+
+    os.makedirs(a.log_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    build(a.model, layers=2, kv_heads=2)
+    res = {"scenario": a.scenario, **SCENARIOS[a.scenario](a)}
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(res, indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
