@@ -129,7 +129,14 @@ def scenario_tokens(a: argparse.Namespace) -> dict[str, Any]:
             for k, tp in ((f"p{tp_p}", tp_p), (f"d{tp_d}", tp_d)):
                 if k not in live:
                     cpus = "0|1" if tp > 1 else ("0" if k[0] == "p" else "1")
-                    live[k] = _start(f"{k}-for-{pair}", a, "kvxfer", cpus, tp)
+                    # a TP 2 side puts three vLLM workers on two cores: OpenMP threads
+                    # that spin while waiting starve the others (and their side channels)
+                    env = (
+                        {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+                        if a.passive_omp
+                        else {}
+                    )
+                    live[k] = _start(f"{k}-for-{pair}", a, "kvxfer", cpus, tp, env=env)
             init = {k: live[k].wait_ready() if live[k].init_s is None else 0.0 for k in want}
             t0 = time.perf_counter()
             for q, r in zip(prompts, refs, strict=False):
@@ -214,6 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default="/tmp/kvxfer-tiny-llama", help="built if missing")
     ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-logs")
     ap.add_argument("--pairs", default="1-1,1-2,2-1", help="tokens: TP pairs P-D")
+    ap.add_argument(
+        "--passive-omp",
+        action="store_true",
+        help="tokens: OpenMP threads sleep instead of spinning while they wait",
+    )
     ap.add_argument("--pair-budget-s", type=float, default=600, help="tokens: per TP pair")
     ap.add_argument("--policy", default="fail", choices=["fail", "recompute"])
     ap.add_argument("--deadline-s", type=float, default=5.0, help="decode load deadline")
