@@ -58,3 +58,14 @@ def test_analyse_ratios_and_targets() -> None:
     md = "\n".join(markdown_section(doc))
     assert "| kvxfer | 4 | 8,192 | 524,288 | 30 ms | 20 ms | 1.5x | 0.0333x | 3/4 |" in md
     assert "(target <= 1.2x): **MISSED**" in md and "**NOT all**" in md
+
+
+def test_bench_all_keeps_the_vllm_section(tmp_path) -> None:
+    from kvxfer.bench.all import _kept_sections
+
+    md = tmp_path / "benchmarks.md"
+    md.write_text(
+        "# Benchmarks\n\n## Descriptors\nold\n\n## vLLM: kvxfer connector vs NixlConnector\n\nrows\n"
+    )
+    assert _kept_sections(md) == "\n## vLLM: kvxfer connector vs NixlConnector\n\nrows\n"
+    assert _kept_sections(tmp_path / "missing.md") == ""

@@ -88,7 +88,8 @@ def run_all(quick: bool, out_dir: str | Path, md_path: str | Path | None, seed: 
     if md_path is not None:
         md = Path(md_path)
         md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(render_markdown(docs, out, md.parent, quick=quick, walls=walls, wall_s=wall))
+        text = render_markdown(docs, out, md.parent, quick=quick, walls=walls, wall_s=wall)
+        md.write_text(text + _kept_sections(md))
         print(f"wrote {md}", file=sys.stderr)
     return {"docs": docs, "wall_seconds": wall, "exit_codes": codes}
 
@@ -228,6 +229,25 @@ _SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "per_request": ("Per-request CPU (`kvxfer bench per-request`)", _section_per_request),
     "bandwidth": ("Bandwidth (`kvxfer bench bandwidth`)", _section_bandwidth),
 }
+
+
+# sections of docs/benchmarks.md that other commands write (kept when this one rewrites it)
+KEPT_SECTIONS = ("## vLLM: kvxfer connector vs NixlConnector",)
+
+
+def _kept_sections(md: Path) -> str:
+    """The kept sections of the page at ``md`` (each up to the next ``## ``), or ""."""
+    try:
+        old = md.read_text()
+    except OSError:
+        return ""
+    out = []
+    for head in KEPT_SECTIONS:
+        start = old.find(head + "\n")
+        if start >= 0:
+            end = old.find("\n## ", start + len(head))
+            out.append("\n" + old[start : end if end >= 0 else len(old)].rstrip() + "\n")
+    return "".join(out)
 
 
 def render_markdown(
