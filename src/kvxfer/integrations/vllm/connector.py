@@ -77,6 +77,18 @@ def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
     return str(backend.get_name()) if backend is not None else "unknown"
 
 
+def _log_through_vllm() -> None:
+    """Send kvxfer's warnings to vLLM's log handlers (vLLM configures only its own
+    logger; without this a failed load's reason would be invisible in vLLM's logs)."""
+    ours, theirs = logging.getLogger("kvxfer"), logging.getLogger("vllm")
+    if theirs.handlers and not any(h in ours.handlers for h in theirs.handlers):
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        if ours.level == logging.NOTSET:
+            ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 class KvxferConnector(KVConnectorBase_V1):
     """vLLM KV connector moving KV caches between P/D instances with kvxfer (pull mode).
 
@@ -89,6 +101,7 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         kv = vllm_config.kv_transfer_config
         self._block_size = int(vllm_config.cache_config.block_size)
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
