@@ -104,6 +104,8 @@ def _table(s: dict[str, Any]) -> Table:
     t.add_column("value", justify="right")
     rows = [
         ("requests done / total", f"{s['done']} / {s['requests']}"),
+        ("  by end state (engine stats)",
+         ", ".join(f"{k} {v}" for k, v in sorted(s["requests_by_state"].items()) if v)),
         ("first contact (fetch+add agent+build+prepare)", f"{fc['total']:.1f} ms"),
         ("  fetch / add agent / build / prepare",
          f"{fc.get('fetch', 0):.2f} / {fc.get('add_agent', 0):.2f} / {fc.get('build', 0):.2f} / {fc.get('prepare', 0):.2f} ms"),

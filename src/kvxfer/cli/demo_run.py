@@ -185,8 +185,11 @@ def _consume(o: DemoOptions, address: str, reqs: list[dict[str, Any]], conn: Con
                 conn.send(("done", r["request_id"], t.state.value, str(t.error or ""), t.latency_s,
                            t.num_descriptors, t.num_bytes, bad))  # fmt: skip
                 pool.free(r)
-        peer = cons.connect(address)
-        conn.send(("end", wall, peer.timings_s, peer.num_rows, peer.num_descriptors))
+        # the summary reads the engine's own statistics snapshot
+        stats = cons.stats()
+        fc = next(f for f in stats.first_contacts if f.address == address)
+        conn.send(("end", wall, dict(fc.phases_s), fc.num_rows, fc.num_descriptors,
+                   dict(stats.requests), stats.bytes_moved))  # fmt: skip
 
 
 def run_demo(o: DemoOptions, progress: Any = None) -> dict[str, Any]:
@@ -244,16 +247,17 @@ def run_demo(o: DemoOptions, progress: Any = None) -> dict[str, Any]:
 def _summary(
     o: DemoOptions, results: list[tuple[Any, ...]], end: tuple[Any, ...], pstats: dict[str, Any]
 ) -> dict[str, Any]:
-    wall, timings, num_rows, num_desc = end
+    wall, timings, num_rows, num_desc, by_state, moved = end
     # the first window waits for first contact: its latencies are reported apart
     warm = results[o.inflight :] or results
     lat = np.array([r[3] for r in warm] or [0.0]) * 1e3
     ok = [r for r in results if r[1] == "done"]
     bad = sum(r[6] for r in ok)
-    total_bytes = sum(r[5] for r in ok)
+    total_bytes = int(moved)  # the consumer's stats(): bytes of requests that ended DONE
     return {
         "options": asdict(o),
         "requests": len(results),
+        "requests_by_state": by_state,
         "done": len(ok),
         "failed": [(r[0], r[1], r[2]) for r in results if r[1] != "done"],
         "first_contact_ms": {k: v * 1e3 for k, v in timings.items()}
