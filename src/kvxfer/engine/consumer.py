@@ -277,9 +277,17 @@ class Consumer(FirstContact):
             if not t.posted_at:
                 if not t.peer.ready.is_set():
                     return t.state
+                pinned_elsewhere = t.generation is not None and not _pinned_ok(
+                    t.generation, t.peer.generations
+                )
                 if t.peer.error is not None:
+                    if pinned_elsewhere and isinstance(t.peer.error, PeerLostError):
+                        # the incarnation that was lost is not the one this request is
+                        # pinned to (a heartbeat saw the restart first): contact it again
+                        self._recheck(t)
+                        return t.state
                     raise t.peer.error
-                if t.generation is not None and not _pinned_ok(t.generation, t.peer.generations):
+                if pinned_elsewhere:
                     self._recheck(t)  # raises, or re-handshakes a restarted producer
                     return t.state
                 if t.lease_expires_at_ns is not None and time.time_ns() >= (
