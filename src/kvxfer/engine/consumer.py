@@ -20,7 +20,7 @@ from kvxfer.engine.config import U8, EngineConfig, RequestState, check_seconds
 from kvxfer.engine.contact import FirstContact
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
-from kvxfer.engine.rank import RankCache, encode_records, new_generation
+from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
 from kvxfer.engine.relayout import relayout_bsr
 from kvxfer.engine.stats import EngineStats, StatsRecorder
 from kvxfer.engine.transfer import PeerInfo, Transfer, num_bytes
@@ -101,12 +101,7 @@ class Consumer(FirstContact):
                 self.ranks[spec.tp_rank] = RankCache(spec, bufs, name, config, backend_factory)
             records = encode_records(self.ranks.values(), self.generation, self.compat_hash)
             # push mode: producers fetch this engine's records here
-            self.server: SideChannelServer | None = SideChannelServer(
-                config.side_channel_addr,
-                records,
-                auth_key=config.auth_key,
-                identity=config.engine_id,
-            ).start()
+            self.server: SideChannelServer | None = serve_records(config, records)
         except BaseException:
             self.close()
             raise

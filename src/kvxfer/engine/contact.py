@@ -63,20 +63,25 @@ class FirstContact:
                 ).start()
             return peer
 
+    def _fetch_records(self, peer: PeerInfo) -> dict[str, list[LayoutRecord]]:
+        """Every rank's record from each of the peer's endpoints (this engine's hash, timeout
+        and key); raises like :func:`fetch_records`."""
+        return {
+            ep: fetch_records(
+                ep,
+                None,
+                self.compat_hash,
+                self.config.handshake_timeout_s,
+                auth_key=self.config.auth_key,
+            )
+            for ep in peer.endpoints
+        }
+
     def _handshake(self, peer: PeerInfo) -> None:
         t0 = time.perf_counter()
         try:
             # one endpoint per producer process: "tcp://a:1" or "tcp://a:1,tcp://b:1,..."
-            by_endpoint = {
-                ep: fetch_records(
-                    ep,
-                    None,
-                    self.compat_hash,
-                    self.config.handshake_timeout_s,
-                    auth_key=self.config.auth_key,
-                )
-                for ep in peer.endpoints
-            }
+            by_endpoint = self._fetch_records(peer)
             recs = [r for rs in by_endpoint.values() for r in rs]
             if len({r.tp_rank for r in recs}) != len(recs):
                 raise LayoutError(f"{peer.address}: several records claim the same TP rank")
@@ -198,17 +203,7 @@ class FirstContact:
 
     def _fetch_generations(self, peer: PeerInfo, out: Future[dict[int, int]]) -> None:
         try:
-            recs = [
-                r
-                for ep in peer.endpoints
-                for r in fetch_records(
-                    ep,
-                    None,
-                    self.compat_hash,
-                    self.config.handshake_timeout_s,
-                    auth_key=self.config.auth_key,
-                )
-            ]
+            recs = [r for rs in self._fetch_records(peer).values() for r in rs]
             out.set_result({r.tp_rank: r.generation for r in recs})
         except KvxferError as e:
             out.set_exception(e)

@@ -10,11 +10,10 @@ from collections.abc import Sequence
 from kvxfer.engine.config import U8, EngineConfig, check_seconds
 from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
-from kvxfer.engine.rank import RankCache, encode_records, new_generation
+from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.backend import BackendFactory
-from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import (
     Abort,
     Failed,
@@ -77,12 +76,7 @@ class Producer:
             self.num_rejected = 0
             self.num_errors = 0
             records = encode_records(self.ranks, self.generation, self.compat_hash)
-            self.server = SideChannelServer(
-                config.side_channel_addr,
-                records,
-                auth_key=config.auth_key,
-                identity=config.engine_id,
-            ).start()
+            self.server = serve_records(config, records)
             self._pusher = PushWorker(
                 {r.rank: r for r in self.ranks},
                 self.generation,

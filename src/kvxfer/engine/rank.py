@@ -14,9 +14,10 @@ from kvxfer.layout.model import CacheLayout
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.backend import BackendFactory, TransferBackend
 from kvxfer.transport.nixl import NixlBackend
+from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import encode_record, record_from_layout
 
-__all__ = ["RankCache", "encode_records", "new_generation"]
+__all__ = ["RankCache", "encode_records", "new_generation", "serve_records"]
 
 
 class RankCache:
@@ -91,3 +92,11 @@ def encode_records(
         )
         for c in caches
     }
+
+
+def serve_records(config: EngineConfig, records: dict[int, bytes]) -> SideChannelServer:
+    """Start the side channel an engine serves its records on (bound to
+    ``config.side_channel_addr``, authenticated with ``config.auth_key`` when set)."""
+    return SideChannelServer(
+        config.side_channel_addr, records, auth_key=config.auth_key, identity=config.engine_id
+    ).start()
