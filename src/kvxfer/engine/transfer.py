@@ -144,17 +144,20 @@ class Transfer:
         """Advance the request and return its state (terminal states stay put)."""
         return self.consumer.advance(self)
 
+    def _wait_until(self, timeout_s: float | None) -> float:
+        """When a wait of ``timeout_s`` ends (never past the request's own deadline)."""
+        if timeout_s is None:
+            return self.deadline
+        check_seconds("timeout_s", timeout_s, allow_zero=True)
+        return min(self.deadline, time.monotonic() + timeout_s)
+
     def wait(self, timeout_s: float | None = None) -> RequestState:
         """Poll until terminal or ``timeout_s`` (the request's own deadline always applies).
 
         Raises:
             LayoutError (a ValueError): ``timeout_s`` is NaN, infinite or negative.
         """
-        if timeout_s is not None:
-            check_seconds("timeout_s", timeout_s, allow_zero=True)
-        until = (
-            self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
-        )
+        until = self._wait_until(timeout_s)
         while not self.poll().is_terminal:
             now = time.monotonic()
             if now >= until and timeout_s is not None:
@@ -182,11 +185,7 @@ class Transfer:
     async def wait_async(self, timeout_s: float | None = None) -> RequestState:
         """:meth:`wait` for asyncio code: yields to the event loop between polls (first
         contact and the transfer run in other threads), never blocks it."""
-        if timeout_s is not None:
-            check_seconds("timeout_s", timeout_s, allow_zero=True)
-        until = (
-            self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
-        )
+        until = self._wait_until(timeout_s)
         pause = 0.0002
         while not self.poll().is_terminal and (timeout_s is None or time.monotonic() < until):
             await asyncio.sleep(pause)

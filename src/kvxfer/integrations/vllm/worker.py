@@ -63,7 +63,6 @@ class WorkerSide:
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self._loads: dict[str, _Load] = {}
-        self._held: set[str] = set()
         self._load_errors: set[int] = set()
 
     def register(self, tensors: Sequence[Any]) -> None:
@@ -102,7 +101,6 @@ class WorkerSide:
             if self.producer is None:
                 continue
             self.producer.hold(h.request_id, block_ids=h.block_ids)
-            self._held.add(h.request_id)
         for job in loads:
             self._start_load(job)
 
@@ -137,11 +135,9 @@ class WorkerSide:
         """
         sending: set[str] = set()
         if self.producer is not None:
-            for rid, reason in self.producer.pop_freed():
-                if rid in self._held:
-                    self._held.discard(rid)
-                    sending.add(rid)
-                    log.debug("request %s: blocks released (%s)", rid, reason)
+            for rid, reason in self.producer.pop_freed():  # only ids this worker held
+                sending.add(rid)
+                log.debug("request %s: blocks released (%s)", rid, reason)
         recving: set[str] = set()
         for rid, load in list(self._loads.items()):
             state = load.transfer.poll() if load.transfer is not None else RequestState.FAILED
