@@ -64,3 +64,112 @@ def test_refused_pairing_leaves_no_agent_behind() -> None:
         assert "block size ratio 2 with fan-out TP" in str(t.error)
         assert cons.ranks[0].backend._remotes == set()  # no remote agent was added
         assert prod.held_blocks == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_preconnect_then_first_request_skips_first_contact() -> None:
+    """A consumer told its producer's address at start contacts it in the background and
+    wires the notification path (one Heartbeat per producer rank, accepted silently): the
+    first request then finds the peer ready and moves every byte."""
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=32)
+    bufs = allocate_cache(spec)
+    fill(spec, bufs)
+    local = allocate_cache(spec)
+    with (
+        Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod,
+        Consumer(EngineConfig("d", model_name="tiny-gqa"), [(spec, local)]) as cons,
+    ):
+        sent: list[tuple[str, bytes]] = []
+        backend = cons.ranks[0].backend
+        real_send = backend.send_notif
+
+        def spy(agent: str, msg: bytes) -> None:  # records, then sends for real
+            sent.append((agent, msg))
+            real_send(agent, msg)
+
+        backend.send_notif = spy  # type: ignore[method-assign]
+        th = cons.preconnect([prod.address], interval_s=0.1)
+        th.join(20)
+        assert not th.is_alive()
+        (fc,) = cons.stats().first_contacts
+        assert fc.address == prod.address
+        assert set(fc.phases_s) == {"fetch", "build", "add_agent", "prepare", "wire_up"}
+        from kvxfer.wire import Heartbeat, decode_msg
+
+        assert [type(decode_msg(m)) for _, m in sent] == [Heartbeat]
+        assert decode_msg(sent[0][1]).generation == prod.generation  # type: ignore[union-attr]
+        lids, rids = np.array([3, 0, 31]), np.array([7, 8, 2])
+        t = cons.read("r", prod.address, local_block_ids=lids, remote_block_ids=rids)
+        assert t.wait(10) is RequestState.DONE
+        assert mismatches(spec, local, spec, lids, rids) == 0
+        assert len(cons.stats().first_contacts) == 1  # the request made no new contact
+        time.sleep(0.3)  # the producer's progress thread has seen the heartbeat
+        assert prod.num_rejected == 0
+
+
+def test_preconnect_waits_for_a_producer_that_starts_later() -> None:
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    bufs = allocate_cache(spec)
+    fill(spec, bufs)
+    local = allocate_cache(spec)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    cfg = EngineConfig("d", model_name="tiny-gqa", handshake_timeout_s=0.5)
+    with Consumer(cfg, [(spec, local)]) as cons:
+        th = cons.preconnect([address], retry_for_s=30, interval_s=0.1)
+        time.sleep(1.5)  # at least one attempt has failed by now
+        assert th.is_alive() and cons.stats().first_contacts == ()
+        pcfg = EngineConfig("p", model_name="tiny-gqa", side_channel_addr=address)
+        with Producer(pcfg, [(spec, bufs)]) as prod:
+            assert prod.address == address
+            th.join(20)
+            assert not th.is_alive()
+            assert [f.address for f in cons.stats().first_contacts] == [address]
+            t = cons.read("r", address, local_block_ids=[4, 5], remote_block_ids=[9, 15])
+            assert t.wait(10) is RequestState.DONE
+            assert mismatches(spec, local, spec, np.array([4, 5]), np.array([9, 15])) == 0
+
+
+def test_preconnect_does_not_retry_an_incompatible_producer() -> None:
+    p_specs = [
+        spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16, block_size=8) for r in range(2)
+    ]
+    d_spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16, block_size=16)
+    with (
+        Producer(
+            EngineConfig("p", model_name="tiny-gqa"), [(s, allocate_cache(s)) for s in p_specs]
+        ) as prod,
+        Consumer(
+            EngineConfig("d", model_name="tiny-gqa"), [(d_spec, allocate_cache(d_spec))]
+        ) as cons,
+    ):
+        th = cons.preconnect([prod.address], retry_for_s=60, interval_s=0.1)
+        th.join(10)
+        assert not th.is_alive()  # refused once, not retried for 60 s
+        assert cons.stats().first_contacts == ()
+        assert cons.ranks[0].backend._remotes == set()
+
+
+def test_preconnect_rejects_bad_addresses_and_stops_at_close() -> None:
+    from kvxfer.errors import ConfigError
+
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+    cfg = EngineConfig("d", model_name="tiny-gqa", handshake_timeout_s=0.5)
+    cons = Consumer(cfg, [(spec, allocate_cache(spec))])
+    try:
+        with pytest.raises(ConfigError, match="non-empty string"):
+            cons.preconnect(["tcp://127.0.0.1:9", ""])
+        with pytest.raises(ConfigError, match="retry_for_s"):
+            cons.preconnect(["tcp://127.0.0.1:9"], retry_for_s=-1)
+        th = cons.preconnect([f"tcp://127.0.0.1:{_free_port()}"], retry_for_s=600)
+        time.sleep(0.3)
+    finally:
+        cons.close()
+    th.join(5)
+    assert not th.is_alive()  # close ends the retry loop long before retry_for_s

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvxfer.bench.vllm import analyse, markdown_section, table_rows
 from kvxfer.bench.vllm_driver import MODEL_SHAPE, nixl_descriptors, page_bytes, pool_blocks
 
@@ -69,3 +71,47 @@ def test_bench_all_keeps_the_vllm_section(tmp_path) -> None:
     )
     assert _kept_sections(md) == "\n## vLLM: kvxfer connector vs NixlConnector\n\nrows\n"
     assert _kept_sections(tmp_path / "missing.md") == ""
+
+
+def test_preconnected_variant_has_its_own_targets_and_timeline() -> None:
+    from kvxfer.bench.vllm import timeline_rows
+    from kvxfer.bench.vllm_driver import _timeline
+
+    raw = {
+        "config": {**MODEL_SHAPE, "block_size": 32, "page_bytes_per_layer": 8192,
+                   "vllm": "0.32.0", "prompt_lengths": [200, 256, 131], "max_tokens": 8},
+        "pairs": [
+            _pair("nixl", 1.0, 0.30, [0.10, 0.10]),
+            _pair("kvxfer", 1.0, 0.25, [0.05, 0.05]),
+            _pair("kvxfer-pre", 1.0, 0.055, [0.05, 0.05]),
+            _pair("nixl", 8.0, 1.30, [0.10, 0.10]),
+            _pair("kvxfer", 8.0, 0.20, [0.05, 0.05]),
+            _pair("kvxfer-pre", 8.0, 0.06, [0.05, 0.05]),
+        ],
+    }  # fmt: skip
+    # the first request's timeline: contact phases only where the read paid them
+    prof = {"started_at": 10.0, "posted_at": 10.1, "finished_at": 10.12,
+            "peer_timings_s": {"fetch": 0.02, "add_agent": 0.05}}  # fmt: skip
+    req = {"first": True, "t_add": 9.99, "ttft_s": 0.2}
+    cold = _timeline(req, {**prof, "peer_ready_at_read": False})
+    pre = _timeline(req, {**prof, "peer_ready_at_read": True})
+    assert cold is not None and pre is not None
+    assert abs(cold["contact_add_agent"] - 0.05) < 1e-9
+    assert abs(cold["read_to_post_other"] - 0.03) < 1e-9
+    assert "contact_fetch" not in pre and abs(pre["read_to_post_other"] - 0.1) < 1e-9
+    raw["pairs"][4]["requests"][0]["timeline_s"] = cold
+    raw["pairs"][5]["requests"][0]["timeline_s"] = pre
+    doc = analyse(raw)
+    t, tp = doc["targets"], doc["targets"]["preconnected"]
+    assert abs(t["kvxfer_first_over_warm_largest"] - 4.0) < 1e-9 and not t["first_over_warm_met"]
+    assert abs(tp["kvxfer_first_over_warm_largest"] - 1.2) < 1e-9 and tp["first_over_warm_met"]
+    assert tp["gaps_s"] == pytest.approx([0.245, 1.24]) and tp["gap_grows_with_size"]
+    assert [r[0] for r in table_rows(doc)][:3] == ["nixl", "kvxfer", "kvxfer-pre"]
+    cols, trows = timeline_rows(doc)
+    assert cols[:2] == ["connector", "KV GiB"] and "contact_add_agent" in cols
+    by = {r[0]: r for r in trows}
+    assert by["kvxfer-pre"][cols.index("contact_add_agent")] == "-"
+    assert by["kvxfer"][cols.index("contact_add_agent")] == "50 ms"
+    md = "\n".join(markdown_section(doc))
+    assert "- kvxfer-pre first/warm at 8.0 GiB: 1.2x (target <= 1.2x): **met**" in md
+    assert "- kvxfer first/warm at 8.0 GiB: 4x (target <= 1.2x): **MISSED**" in md

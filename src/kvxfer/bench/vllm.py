@@ -30,6 +30,7 @@ DEFAULT_SIZES = (1, 2, 4, 6)  # GiB per instance (vLLM takes whole GiB); 2 x 6 G
 QUICK_SIZES = (1,)
 LOCK = "/tmp/kvxfer-vllm.lock"
 TARGET_FIRST_OVER_WARM = 1.2
+_ORDER = {"nixl": 0, "kvxfer": 1, "kvxfer-pre": 2}
 COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "warm TTFT",
            "first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
 
@@ -72,10 +73,21 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
         base = nixl.get(r["kv_gib"])
         r["first_over_nixl_first"] = r["first_ttft_s"] / base["first_ttft_s"] if base else None
         r["gap_s"] = base["first_ttft_s"] - r["first_ttft_s"] if base else None
-    kx = sorted((r for r in rows if r["connector"] == "kvxfer"), key=lambda r: r["kv_gib"])
+    targets = _targets(rows, "kvxfer")
+    targets["all_tokens_equal"] = (
+        all(r["tokens_equal"] == r["requests"] for r in rows) and not failed
+    )
+    if any(r["connector"] == "kvxfer-pre" for r in rows):
+        targets["preconnected"] = _targets(rows, "kvxfer-pre")
+    return {"config": raw["config"], "rows": rows, "targets": targets, "failed": failed}
+
+
+def _targets(rows: list[dict[str, Any]], connector: str) -> dict[str, Any]:
+    """The issue's targets for one kvxfer variant against NixlConnector."""
+    kx = sorted((r for r in rows if r["connector"] == connector), key=lambda r: r["kv_gib"])
     gaps = [r["gap_s"] for r in kx if r["gap_s"] is not None]
     largest = kx[-1] if kx else None
-    targets = {
+    return {
         "evaluated": len(gaps) >= 2,
         "kvxfer_first_below_nixl_every_size": bool(gaps) and all(g > 0 for g in gaps),
         "gap_grows_with_size": len(gaps) >= 2 and gaps[-1] > gaps[0],
@@ -85,9 +97,7 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
         "first_over_warm_met": (
             largest is not None and largest["first_over_warm"] <= TARGET_FIRST_OVER_WARM
         ),
-        "all_tokens_equal": all(r["tokens_equal"] == r["requests"] for r in rows) and not failed,
     }
-    return {"config": raw["config"], "rows": rows, "targets": targets, "failed": failed}
 
 
 def _median_timeline(tls: list[dict[str, float] | None]) -> dict[str, float] | None:
@@ -104,18 +114,25 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
          f"{r['nixl_descriptors_per_list']:,}", fmt_seconds(r["first_ttft_s"]),
          fmt_seconds(r["warm_ttft_s"]), fmt_ratio(r["first_over_warm"]),
          fmt_ratio(r["first_over_nixl_first"]), f"{r['tokens_equal']}/{r['requests']}"]
-        for r in sorted(doc["rows"], key=lambda r: (r["kv_gib"], r["connector"] != "nixl"))
+        for r in sorted(doc["rows"], key=lambda r: (r["kv_gib"], _ORDER.get(r["connector"], 9)))
     ]  # fmt: skip
 
 
 def timeline_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """kvxfer's first request, phase by phase (s), per size."""
-    kx = [r for r in doc["rows"] if r["connector"] == "kvxfer" and r["first_timeline_s"]]
+    """kvxfer's first request, phase by phase (s), per variant and size (a phase the
+    request did not pay, such as first contact done at start, shows as -)."""
+    kx = [r for r in doc["rows"] if r["connector"] in _ORDER and r["connector"] != "nixl"
+          and r["first_timeline_s"]]  # fmt: skip
     if not kx:
         return [], []
-    keys = list(kx[0]["first_timeline_s"])
-    cols = ["KV GiB", *keys, "TTFT"]
-    rows = [[f"{r['kv_gib']:g}", *(fmt_seconds(max(0.0, r["first_timeline_s"][k])) for k in keys),
+    keys: list[str] = []
+    for r in kx:
+        keys += [k for k in r["first_timeline_s"] if k not in keys]
+    kx.sort(key=lambda r: (_ORDER[r["connector"]], r["kv_gib"]))
+    cols = ["connector", "KV GiB", *keys, "TTFT"]
+    rows = [[r["connector"], f"{r['kv_gib']:g}",
+             *(fmt_seconds(max(0.0, r["first_timeline_s"][k])) if k in r["first_timeline_s"]
+               else "-" for k in keys),
              fmt_seconds(r["first_ttft_s"])] for r in kx]  # fmt: skip
     return cols, rows
 
@@ -125,6 +142,21 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
     from kvxfer.bench.report import markdown_table
 
     c, t = doc["config"], doc["targets"]
+
+    def met(ok: bool) -> str:
+        return "**met**" if ok else "**MISSED**"
+
+    def target_lines(label: str, t: dict[str, Any]) -> list[str]:
+        return [
+            f"- {label} first TTFT below NixlConnector's at every size: "
+            f"{met(t['kvxfer_first_below_nixl_every_size'])}; gap (Nixl - {label}) by size: "
+            f"{', '.join(fmt_seconds(g) for g in t['gaps_s'])}, growing: "
+            f"{met(t['gap_grows_with_size'])}",
+            f"- {label} first/warm at {t['largest_kv_gib']} GiB: "
+            f"{fmt_ratio(t['kvxfer_first_over_warm_largest'])} (target <= 1.2x): "
+            f"{met(t['first_over_warm_met'])}",
+        ]
+
     lines = [
         f"Model: random Llama, {c['layers']} layers, {c['kv_heads']} KV head, head_dim "
         f"{c['head_dim']}, float32, block_size {c['block_size']}: "
@@ -135,13 +167,8 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
         "",
         markdown_table(COLUMNS, table_rows(doc)),
         "",
-        f"- kvxfer first TTFT below NixlConnector's at every size: "
-        f"{'**met**' if t['kvxfer_first_below_nixl_every_size'] else '**MISSED**'}; gap "
-        f"(Nixl - kvxfer) by size: {', '.join(fmt_seconds(g) for g in t['gaps_s'])}, growing: "
-        f"{'**met**' if t['gap_grows_with_size'] else '**MISSED**'}",
-        f"- kvxfer first/warm at {t['largest_kv_gib']} GiB: "
-        f"{fmt_ratio(t['kvxfer_first_over_warm_largest'])} (target <= 1.2x): "
-        f"{'**met**' if t['first_over_warm_met'] else '**MISSED**'}",
+        *target_lines("kvxfer", t),
+        *(target_lines("kvxfer-pre", t["preconnected"]) if "preconnected" in t else []),
         f"- decode tokens equal to the colocated run: "
         f"{'all' if t['all_tokens_equal'] else '**NOT all**'}",
     ]
@@ -162,7 +189,7 @@ def save_png(path: str | Path, doc: dict[str, Any]) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for c in ("nixl", "kvxfer"):
+    for c in _ORDER:
         rows = sorted((r for r in doc["rows"] if r["connector"] == c), key=lambda r: r["kv_gib"])
         for k, style in (("first", "-o"), ("warm", "--s")):
             ax.semilogy([r["kv_gib"] for r in rows], [r[f"{k}_ttft_s"] for r in rows], style,

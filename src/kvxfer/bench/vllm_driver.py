@@ -12,7 +12,9 @@
    one local request on each (warms the forward pass, touches no connector); then per
    prompt a prefill request (``do_remote_decode``, 1 token) and a decode request with
    the returned ``kv_transfer_params``. Request 0 is the first to the new prefill peer;
-   the others are warm. Tokens are compared with the colocated run.
+   the others are warm. Tokens are compared with the colocated run. Connectors:
+   ``nixl`` (vLLM's NixlConnector), ``kvxfer`` (first contact on the first request) and
+   ``kvxfer-pre`` (the decode's ``prefill_peers`` names the prefill: contacted at start).
 
 kvxfer runs through :class:`~kvxfer.bench.vllm_probe.ProfiledKvxferConnector` (the
 connector plus one log line per finished load), whose lines give the first request's
@@ -42,6 +44,9 @@ BLOCK_SIZE = 32
 DTYPE_BYTES = 4  # float32
 PROMPT_LENGTHS = (200, 256, 131, 300, 77, 224, 161, 288, 250)
 NIXL_PORT_BASE = 5610
+# kvxfer: first contact on the first request (what a decode that is told nothing pays);
+# kvxfer-pre: the decode lists its prefill in ``prefill_peers`` and contacts it at start
+KVXFER_VARIANTS = ("kvxfer", "kvxfer-pre")
 PROBE = {"kv_connector": "ProfiledKvxferConnector",
          "kv_connector_module_path": "kvxfer.bench.vllm_probe"}  # fmt: skip
 _PROFILE = re.compile(r"KVXFER_PROFILE (\{.*\})")
@@ -80,7 +85,9 @@ def _timeline(req: dict[str, Any], prof: dict[str, Any] | None) -> dict[str, flo
     if prof is None or not prof.get("posted_at"):
         return None
     t_add, ttft = req["t_add"], req["ttft_s"]
-    contact = prof["peer_timings_s"] if req["first"] else {}  # paid once per peer
+    # paid once per peer, by the first request unless the peer was contacted at start
+    on_path = req["first"] and not prof.get("peer_ready_at_read", False)
+    contact = prof["peer_timings_s"] if on_path else {}
     start_to_post = prof["posted_at"] - prof["started_at"]
     return {
         "schedule_to_read": prof["started_at"] - t_add,
@@ -94,19 +101,29 @@ def _timeline(req: dict[str, Any], prof: dict[str, Any] | None) -> dict[str, flo
 def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]],
               ref: list[list[int]], max_tokens: int, log_dir: str) -> dict[str, Any]:  # fmt: skip
     tag = f"{connector}-{kv_gib:g}g"
-    extra = {"kv_transfer_overrides": PROBE} if connector == "kvxfer" else {}
-    common: dict[str, Any] = {"model": model, "connector": connector, "kv_cache_gib": kv_gib, "log_dir": log_dir,
-              "block_size": BLOCK_SIZE, "max_model_len": 512, "max_num_seqs": 4, **extra}  # fmt: skip
+    kvxfer = connector in KVXFER_VARIANTS
+    extra = {"kv_transfer_overrides": PROBE} if kvxfer else {}
+    common: dict[str, Any] = {"model": model, "connector": "kvxfer" if kvxfer else connector,
+              "kv_cache_gib": kv_gib, "log_dir": log_dir, "block_size": BLOCK_SIZE,
+              "max_model_len": 512, "max_num_seqs": 4, **extra}  # fmt: skip
     t0 = time.perf_counter()
     # NixlConnector's side channel listens on VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600)
     # in every kv_both instance: one port each, new ones per pair
     port = NIXL_PORT_BASE + 2 * len(os.listdir(log_dir))
+    p_extra: dict[str, Any] = {}
+    d_extra: dict[str, Any] = {}
+    if connector == "kvxfer-pre":  # the decode knows its prefill peer from the start
+        sc_port = port + 1000
+        p_extra = {"extra": {"side_channel_port": sc_port}}
+        d_extra = {"extra": {"prefill_peers": [f"tcp://127.0.0.1:{sc_port}"]}}
     p = Instance(
-        f"{tag}-prefill", cpus="0", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}, **common
-    )
+        f"{tag}-prefill", cpus="0", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
+        **common, **p_extra,
+    )  # fmt: skip
     d = Instance(
-        f"{tag}-decode", cpus="1", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)}, **common
-    )
+        f"{tag}-decode", cpus="1", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)},
+        **common, **d_extra,
+    )  # fmt: skip
     try:
         init = {"prefill": p.wait_ready(900), "decode": d.wait_ready(900)}
         warm_prompt = make_prompts(1, MODEL_SHAPE["vocab"], [64], seed=99)[0]
@@ -184,7 +201,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", required=True, help="KV pool GiB per instance")
     ap.add_argument("--prompts", type=int, default=9, help="1 first + warm requests")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--connectors", nargs="+", default=["nixl", "kvxfer"])
+    ap.add_argument("--connectors", nargs="+", default=["nixl", *KVXFER_VARIANTS])
     ap.add_argument("--model-dir", default="/tmp/kvxfer-vllm-bench-model")
     ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs")
     ap.add_argument("--out", required=True)

@@ -4,7 +4,8 @@ for ``kvxfer bench vllm`` (imports vLLM; runs inside vLLM's worker processes).
 Behaves exactly like the connector; in addition, each decode-side load that ends is
 written to the worker's log as one ``KVXFER_PROFILE {json}`` line: when the read was
 started, posted and finished (``time.perf_counter``, CLOCK_MONOTONIC, so comparable with
-the driver's clock), the peer's first-contact phases (``PeerInfo.timings_s``) and sizes.
+the driver's clock), the peer's first-contact phases (``PeerInfo.timings_s``), whether
+the peer was already contacted when the read started, and sizes.
 Load it with ``kv_connector_module_path="kvxfer.bench.vllm_probe"``,
 ``kv_connector="ProfiledKvxferConnector"``.
 """
@@ -32,6 +33,7 @@ class ProfiledKvxferConnector(KvxferConnector):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
         self._probe_live: dict[str, Transfer] = {}
+        self._probe_ready: dict[str, bool] = {}
         consumer = self._worker.consumer if self._worker is not None else None
         if consumer is None:
             return
@@ -40,6 +42,7 @@ class ProfiledKvxferConnector(KvxferConnector):
         def traced_read(request_id: str, *args: Any, **kwargs: Any) -> Transfer:
             t = read(request_id, *args, **kwargs)
             self._probe_live[request_id] = t
+            self._probe_ready[request_id] = t.peer.ready.is_set()  # contact already done
             return t
 
         consumer.read = traced_read  # type: ignore[method-assign]
@@ -57,6 +60,7 @@ class ProfiledKvxferConnector(KvxferConnector):
                 "num_descriptors": t.num_descriptors, "num_bytes": t.num_bytes,
                 "peer_timings_s": dict(t.peer.timings_s), "peer_rows": t.peer.num_rows,
                 "peer_descriptors": t.peer.num_descriptors,
+                "peer_ready_at_read": self._probe_ready.pop(rid, False),
             }  # fmt: skip
             print(f"{PROFILE_TAG} {json.dumps(rec)}", file=sys.stderr, flush=True)
         return out

@@ -29,7 +29,7 @@ class FirstContactStats:
 
     Attributes:
         address: the producer's side-channel endpoint(s).
-        phases_s: seconds per phase (fetch, add_agent, build, prepare).
+        phases_s: seconds per phase (fetch, add_agent, build, prepare, wire_up).
         num_rows: strided rows prepared (what NIXL ingested).
         num_descriptors: descriptors those rows stand for (what a dense list would hold).
     """

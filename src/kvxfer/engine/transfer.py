@@ -51,7 +51,7 @@ class PeerInfo:
     Attributes:
         address: the producer's side-channel endpoint.
         generations: remote rank -> producer incarnation the prepared lists belong to.
-        timings_s: first-contact phases: fetch, add_agent, build, prepare.
+        timings_s: first-contact phases: fetch, add_agent, build, prepare, wire_up.
         num_rows, num_descriptors: strided rows prepared vs descriptors they stand for.
     """
 

@@ -87,7 +87,9 @@ class LeaseRenew(_Msg, frozen=True, tag="lr"):
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
-    """The sender (of incarnation ``generation``) is alive."""
+    """A no-op addressed to the recipient's incarnation ``generation``: a consumer sends
+    one per producer rank at first contact, so that the notification path is wired
+    before the first request needs it; the producer drops it silently."""
 
     generation: U64
 

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvxfer.errors import ConfigError
 from kvxfer.integrations.vllm.scheduler import (
     HoldJob,
     LoadJob,
@@ -77,6 +78,21 @@ def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
     return str(backend.get_name()) if backend is not None else "unknown"
 
 
+def _peer_list(value: Any) -> tuple[str, ...]:
+    """``prefill_peers``: a JSON list of producer addresses (each one as the prefill
+    publishes it: its ranks' endpoints, comma-separated)."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ConfigError(
+            "kv_connector_extra_config.prefill_peers must be a list of addresses such as "
+            f'["tcp://10.0.0.5:5700"], got {value!r}'
+        )
+    if not all(isinstance(a, str) and a.strip() for a in value):
+        raise ConfigError(
+            f"kv_connector_extra_config.prefill_peers: not all non-empty strings: {value!r}"
+        )
+    return tuple(value)
+
+
 def _log_through_vllm() -> None:
     """Send kvxfer's warnings to vLLM's log handlers (vLLM configures only its own
     logger; without this a failed load's reason would be invisible in vLLM's logs)."""
@@ -96,7 +112,10 @@ class KvxferConnector(KVConnectorBase_V1):
     (default 127.0.0.1), ``side_channel_port`` (0: ephemeral; else base port, rank
     added), ``deadline_s`` (per load, default 30), ``lease_s`` (how long a prefill
     holds blocks nobody reads, default 120), ``heartbeat_s`` (default 1),
-    ``model_name`` (in the compatibility hash; default the model's ``model_type``).
+    ``model_name`` (in the compatibility hash; default the model's ``model_type``),
+    ``prefill_peers`` (decode side: producer addresses contacted at start, so the first
+    request to them skips first contact; default none), ``preconnect_s`` (how long an
+    unreachable one is retried, default 600).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -176,6 +195,8 @@ class KvxferConnector(KVConnectorBase_V1):
             deadline_s=float(_extra(cfg, "deadline_s", 30.0)),
             lease_s=float(_extra(cfg, "lease_s", 120.0)),
             heartbeat_s=float(_extra(cfg, "heartbeat_s", 1.0)),
+            prefill_peers=_peer_list(_extra(cfg, "prefill_peers", [])),
+            preconnect_s=float(_extra(cfg, "preconnect_s", 600.0)),
         )
         self._worker = WorkerSide(settings)
         self._worker.register([kv_caches[n] for n in names])
