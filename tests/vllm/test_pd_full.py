@@ -60,6 +60,14 @@ def test_killed_prefill_fails_cleanly_within_deadline(faults: dict[str, Any]) ->
     assert rec["elapsed_s"] < faults["deadline_s"] + 15, rec["elapsed_s"]
 
 
+def test_decode_preconnects_to_a_prefill_that_starts_later(faults: dict[str, Any]) -> None:
+    # the decode started before prefill #1 and listed it in prefill_peers: it retried
+    # until the prefill was up, and the first request then read from the contacted peer
+    ready = [ln for ln in faults["preconnect_log"] if "ready" in ln]
+    assert len(ready) == 1 and "tcp://127.0.0.1:" in ready[0], faults["preconnect_log"]
+    assert faults["warm"]["tokens"] == faults["warm"]["ref"]
+
+
 def test_restarted_prefill_serves_the_same_decode(faults: dict[str, Any]) -> None:
     for key in ("restarted", "restarted_after_stale"):
         rec = faults[key]

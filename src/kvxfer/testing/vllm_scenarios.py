@@ -156,14 +156,19 @@ def scenario_tokens(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
-    """One decode; prefill #1 (short lease, fixed port) is killed; prefill #2 takes the port."""
+    """One decode; prefill #1 (short lease, fixed port) is killed; prefill #2 takes the port.
+
+    The decode starts first and lists the prefill's address in ``prefill_peers``: it
+    keeps trying until prefill #1 is up, and its first request finds the peer contacted.
+    """
     port = a.port or _free_port()
     extra = {"side_channel_port": port, "lease_s": a.lease_s}
     popts: dict[str, Any] = {"extra": extra, "num_gpu_blocks_override": 256}
     prompts = make_prompts(6, VOCAB, [70, 100, 65, 129, 96, 40], seed=3)
     warm, lease_q, kill_q, stale_q, fresh_q, fresh2_q = prompts
-    d = _start("decode", a, "kvxfer", "1", extra={"deadline_s": a.deadline_s},
-               failure_policy=a.policy)  # fmt: skip
+    address = f"tcp://127.0.0.1:{port}"
+    d = _start("decode", a, "kvxfer", "1", failure_policy=a.policy,
+               extra={"deadline_s": a.deadline_s, "prefill_peers": [address]})  # fmt: skip
     p = _start("prefill1", a, "kvxfer", "0", **popts)
     out: dict[str, Any] = {"policy": a.policy, "deadline_s": a.deadline_s, "lease_s": a.lease_s}
     try:
@@ -171,6 +176,7 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
         p.wait_ready()
         refs = _refs(p, prompts)
         out["warm"] = _pd(p, d, warm, refs[0])
+        out["preconnect_log"] = _log_lines(d, "preconnect:")
         # lease: never decoded in time; its blocks are released, then reused by others
         lease_params = p.gen(lease_q, 1, PREFILL)["kv_transfer_params"]
         time.sleep(a.lease_s + 2)
@@ -192,6 +198,11 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
     finally:
         p.stop()
         d.stop()
+
+
+def _log_lines(inst: Instance, key: str) -> list[str]:
+    with open(inst.log_path, errors="replace") as f:
+        return [ln.strip()[-300:] for ln in f if key in ln]
 
 
 def _free_port() -> int:
