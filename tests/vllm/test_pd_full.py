@@ -68,6 +68,18 @@ def test_decode_preconnects_to_a_prefill_that_starts_later(faults: dict[str, Any
     assert faults["warm"]["tokens"] == faults["warm"]["ref"]
 
 
+def test_prefill_hung_then_killed_mid_load_fails_cleanly(faults: dict[str, Any]) -> None:
+    # SIGSTOP before the decode's load starts, SIGKILL a second into it: the load ends by
+    # its deadline in vLLM's failure path (or, if the bytes were all read before the
+    # kill, with tokens equal colocated): never tokens from partial KV
+    rec = faults["killed_mid_load"]
+    assert "error" not in rec, rec
+    if rec["tokens"] != rec["ref"]:  # the load failed: the policy decides, never bad tokens
+        _never_wrong(rec, faults["policy"])
+    assert rec["finish_reason"] in ("error", "length"), rec
+    assert rec["elapsed_s"] < faults["deadline_s"] + 15, rec["elapsed_s"]
+
+
 def test_restarted_prefill_serves_the_same_decode(faults: dict[str, Any]) -> None:
     for key in ("restarted", "restarted_after_stale"):
         rec = faults[key]

@@ -206,6 +206,13 @@ class Instance:
             raise RuntimeError(f"{self.role}: {val}")
         return dict(val)
 
+    def freeze(self) -> None:
+        """SIGSTOP the instance and every vLLM process under it (a hung host: sockets
+        stay open, nothing answers); :meth:`kill` still works afterwards."""
+        if self.proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGSTOP)
+
     def kill(self) -> None:
         """SIGKILL the instance and every vLLM process under it."""
         if self.proc.pid is not None:

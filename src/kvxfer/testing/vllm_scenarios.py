@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -164,8 +165,8 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
     port = a.port or _free_port()
     extra = {"side_channel_port": port, "lease_s": a.lease_s}
     popts: dict[str, Any] = {"extra": extra, "num_gpu_blocks_override": 256}
-    prompts = make_prompts(6, VOCAB, [70, 100, 65, 129, 96, 40], seed=3)
-    warm, lease_q, kill_q, stale_q, fresh_q, fresh2_q = prompts
+    prompts = make_prompts(7, VOCAB, [70, 100, 65, 129, 96, 40, 250], seed=3)
+    warm, lease_q, kill_q, stale_q, fresh_q, fresh2_q, mid_q = prompts
     address = f"tcp://127.0.0.1:{port}"
     d = _start("decode", a, "kvxfer", "1", failure_policy=a.policy,
                extra={"deadline_s": a.deadline_s, "prefill_peers": [address]})  # fmt: skip
@@ -194,6 +195,17 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
         out["restarted"] = _pd(p, d, fresh_q, refs[4])
         out["stale"] = _pd(p, d, stale_q, refs[3], params=stale_params)
         out["restarted_after_stale"] = _pd(p, d, fresh2_q, refs[5])
+        # the decode's load starts while the prefill hangs (SIGSTOP: its side channel and
+        # UCX progress are frozen, its sockets open), then the prefill is killed mid-load
+        mid_params = p.gen(mid_q, 1, PREFILL)["kv_transfer_params"]
+        p.freeze()
+        box: dict[str, Any] = {}
+        th = threading.Thread(target=lambda: box.update(rec=_pd(p, d, mid_q, refs[6], mid_params)))
+        th.start()
+        time.sleep(1.0)
+        p.kill()
+        th.join(a.deadline_s + 120)
+        out["killed_mid_load"] = box.get("rec", {"error": "decode request did not return"})
         return out
     finally:
         p.stop()

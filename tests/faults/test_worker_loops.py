@@ -1,0 +1,91 @@
+"""Issue 9 item 7: the handshake and heartbeat threads survive any exception; a fault
+fails only the job it hit, typed, with the cause chained."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, allocate_cache
+from kvxfer.engine.liveness import PeerMonitor
+from kvxfer.errors import PeerLostError
+from kvxfer.layout.presets import spec_for
+from kvxfer.testing import fill, mismatches
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _dead_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"  # closed when this returns
+
+
+def test_handshake_thread_error_fails_one_contact_typed_and_the_next_succeeds() -> None:
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    bufs = allocate_cache(spec)
+    fill(spec, bufs)
+    local = allocate_cache(spec)
+    with (
+        Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod,
+        Consumer(EngineConfig("d", model_name="tiny-gqa"), [(spec, local)]) as cons,
+    ):
+        backend = cons.ranks[0].backend
+        real_add = backend.add_remote
+        calls = []
+
+        def add_remote_failing_once(blob: bytes) -> str:  # a non-kvxfer fault, once
+            calls.append(len(blob))
+            if len(calls) == 1:
+                raise RuntimeError("injected: UCX said no")
+            return real_add(blob)
+
+        backend.add_remote = add_remote_failing_once  # type: ignore[method-assign]
+        prod.hold("r1", block_ids=[3])
+        t1 = cons.read("r1", prod.address, local_block_ids=[0], remote_block_ids=[3])
+        assert t1.wait(10) is RequestState.PEER_LOST
+        assert isinstance(t1.error, PeerLostError)
+        assert "RuntimeError: injected: UCX said no" in str(t1.error)
+        assert isinstance(t1.error.__cause__, RuntimeError)
+        assert prod.address not in cons._peers  # no half-made peer is left "ready"
+        lids, rids = np.array([1, 2]), np.array([7, 11])
+        t2 = cons.read("r2", prod.address, local_block_ids=lids, remote_block_ids=rids)
+        assert t2.wait(10) is RequestState.DONE, t2.error
+        assert len(calls) == 2  # the second request made a fresh contact
+        assert mismatches(spec, local, spec, lids, rids) == 0
+        threads = [th.name for th in threading.enumerate()]
+        assert "kvxfer-heartbeat" in threads
+
+
+def test_heartbeat_thread_survives_a_failing_verdict_callback_and_bad_endpoints() -> None:
+    verdicts: list[tuple[str, str]] = []
+
+    def on_lost(key: str, reason: str, generations: set[int]) -> None:
+        verdicts.append((key, reason))
+        if len(verdicts) == 1:
+            raise RuntimeError("injected: the consumer's drop failed")
+
+    mon = PeerMonitor("hash", 0.1, on_lost, max_misses=2)
+    try:
+        mon.watch("a", {_dead_endpoint(): {1}})
+        end = time.monotonic() + 10
+        while not verdicts and time.monotonic() < end:
+            time.sleep(0.05)
+        assert [k for k, _ in verdicts] == ["a"]
+        assert "no heartbeat reply 2 times in a row" in verdicts[0][1]
+        # the callback raised: the thread lives on and judges the next peers
+        mon.watch("b", {"not-an-endpoint": {2}})  # ZMQ refuses the address itself
+        mon.watch("c", {_dead_endpoint(): {3}})
+        while len(verdicts) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert sorted(k for k, _ in verdicts) == ["a", "b", "c"]
+        reason_b = dict(verdicts)["b"]
+        assert reason_b.startswith("not-an-endpoint: heartbeat"), reason_b
+        assert mon._thread.is_alive()
+    finally:
+        mon.close()
+    assert not mon._thread.is_alive()
