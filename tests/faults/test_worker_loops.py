@@ -89,3 +89,28 @@ def test_heartbeat_thread_survives_a_failing_verdict_callback_and_bad_endpoints(
     finally:
         mon.close()
     assert not mon._thread.is_alive()
+
+
+def test_heartbeat_verdict_about_an_older_incarnation_keeps_the_peer() -> None:
+    """Issue 9 item 12, made deterministic: a verdict computed from an old snapshot (other
+    generations than the peer's now) must not drop the peer; one about its current
+    generations drops it, and the next request makes a fresh contact and succeeds."""
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    bufs = allocate_cache(spec)
+    fill(spec, bufs)
+    local = allocate_cache(spec)
+    with (
+        Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod,
+        Consumer(EngineConfig("d", model_name="tiny-gqa"), [(spec, local)]) as cons,
+    ):
+        peer = cons.connect(prod.address)
+        cons._on_peer_lost(prod.address, "verdict about a predecessor", {prod.generation ^ 1})
+        assert cons._peers.get(prod.address) is peer and peer.error is None
+        t1 = cons.read("r1", prod.address, local_block_ids=[0], remote_block_ids=[5])
+        assert t1.wait(10) is RequestState.DONE and t1.peer is peer
+        cons._on_peer_lost(prod.address, "verdict about this one", {prod.generation})
+        assert prod.address not in cons._peers
+        assert isinstance(peer.error, PeerLostError) and "verdict about this one" in str(peer.error)
+        t2 = cons.read("r2", prod.address, local_block_ids=[1], remote_block_ids=[6])
+        assert t2.wait(10) is RequestState.DONE and t2.peer is not peer  # a fresh contact
+        assert mismatches(spec, local, spec, np.array([0, 1]), np.array([5, 6])) == 0

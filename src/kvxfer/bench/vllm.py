@@ -26,7 +26,7 @@ from kvxfer.bench.report import fmt_ratio, fmt_seconds, print_table, write_json
 
 __all__ = ["COLUMNS", "DEFAULT_SIZES", "QUICK_SIZES", "analyse", "run", "table_rows"]
 
-DEFAULT_SIZES = (1, 2, 4, 6)  # GiB per instance (vLLM takes whole GiB); 2 x 6 GiB + vLLM < 16 GB
+DEFAULT_SIZES = (1, 2, 4, 8)  # GiB per instance (whole GiB); 8: 1 M Nixl descriptors per list, ~22 of 23.5 GB
 QUICK_SIZES = (1,)
 LOCK = "/tmp/kvxfer-vllm.lock"
 TARGET_FIRST_OVER_WARM = 1.2
