@@ -137,7 +137,9 @@ def scenario_tokens(a: argparse.Namespace) -> dict[str, Any]:
                         if a.passive_omp
                         else {}
                     )
-                    live[k] = _start(f"{k}-for-{pair}", a, "kvxfer", cpus, tp, env=env)
+                    extra = json.loads(a.decode_extra) if k[0] == "d" else {}
+                    live[k] = _start(f"{k}-for-{pair}", a, "kvxfer", cpus, tp, env=env,
+                                     extra=extra)  # fmt: skip
             init = {k: live[k].wait_ready() if live[k].init_s is None else 0.0 for k in want}
             t0 = time.perf_counter()
             for q, r in zip(prompts, refs, strict=False):
@@ -249,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="tokens: OpenMP threads sleep instead of spinning while they wait",
     )
+    ap.add_argument("--decode-extra", default="{}",
+                    help="tokens: the decode instances' kv_connector_extra_config (JSON)")  # fmt: skip
     ap.add_argument("--pair-budget-s", type=float, default=600, help="tokens: per TP pair")
     ap.add_argument("--policy", default="fail", choices=["fail", "recompute"])
     ap.add_argument("--deadline-s", type=float, default=5.0, help="decode load deadline")
