@@ -36,7 +36,7 @@ from kvxfer.errors import (
 )
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.planning.pairing import pair_layouts
-from kvxfer.planning.request import plan_request
+from kvxfer.planning.request import BlockIds, plan_request
 from kvxfer.transport.backend import BackendFactory
 from kvxfer.transport.nixl import XferOp, XferState
 from kvxfer.transport.side_channel import SideChannelServer
@@ -51,6 +51,11 @@ from kvxfer.wire import (
 __all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in transfer.py
 
 log = logging.getLogger(__name__)
+
+
+def _wire_ids(ids: npt.NDArray[np.int64]) -> tuple[int, ...]:
+    """Block ids as a PushRequest carries them."""
+    return tuple(int(i) for i in ids)
 
 
 def _pinned_ok(pin: int | Mapping[int, int], generations: Mapping[int, int]) -> bool:
@@ -227,14 +232,12 @@ class Consumer(FirstContact):
             if d not in self.ranks:
                 raise ConfigError(f"local rank {d} is not hosted here (have {sorted(self.ranks)})")
         deadline = time.monotonic() + (self.config.deadline_s if deadline_s is None else deadline_s)
-        kwargs: dict[str, object] = {"num_cached_blocks": num_cached_blocks}
-        if local_state_ids is not None:
-            kwargs["local_state_ids"] = np.asarray(local_state_ids)
-        if remote_state_ids is not None:
-            kwargs["remote_state_ids"] = np.asarray(remote_state_ids)
+        ids = BlockIds.of(
+            local_block_ids, remote_block_ids, local_state=local_state_ids,
+            remote_state=remote_state_ids, num_cached_blocks=num_cached_blocks,
+        )  # fmt: skip
         t = Transfer(
-            request_id, self, self._peer(address), deadline,
-            np.asarray(local_block_ids), np.asarray(remote_block_ids), kwargs, chosen, op,
+            request_id, self, self._peer(address), deadline, ids, chosen, op,
             generation=generation,
         )  # fmt: skip
         self._inbox.add(t)  # close() aborts it; push notices find it by attempt
@@ -338,7 +341,7 @@ class Consumer(FirstContact):
         self._renew(t, force=True)  # first: the producer's lease now covers the deadline
         for d in t.ranks:
             plan = peer.plans[d]
-            req = plan_request(plan, t.local_ids, t.remote_ids, **t.kwargs)  # type: ignore[arg-type]
+            req = t.ids.plan(plan)
             backend = self.ranks[d].backend
             size = self.ranks[d].spec.tp_size
             for ids in req.sources:
@@ -360,24 +363,21 @@ class Consumer(FirstContact):
         peer = t.peer
         t.quarantine_until = t.deadline + self.config.lease_s
         for d in t.ranks:
-            req = plan_request(peer.plans[d], t.local_ids, t.remote_ids, **t.kwargs)  # type: ignore[arg-type]
-            kw = {
-                k: tuple(int(i) for i in np.asarray(v))
-                for k, v in t.kwargs.items()
-                if k.endswith("state_ids")
-            }
+            req = t.ids.plan(peer.plans[d])
+            ls, rs = t.ids.local_state, t.ids.remote_state  # None: the attention ids
             backend = self.ranks[d].backend
             for ids in req.sources:
                 msg = PushRequest(
                     t.request_id, peer.generations[ids.rank], self.address, d,
                     self.ranks[d].spec.tp_size,
-                    tuple(int(i) for i in t.local_ids), tuple(int(i) for i in t.remote_ids),
-                    num_cached_blocks=int(t.kwargs.get("num_cached_blocks", 0)),  # type: ignore[call-overload]
+                    _wire_ids(t.ids.local), _wire_ids(t.ids.remote),
+                    local_state_ids=None if ls is None else _wire_ids(ls),
+                    remote_state_ids=None if rs is None else _wire_ids(rs),
+                    num_cached_blocks=int(t.ids.num_cached_blocks),
                     attempt=t.attempt,
                     budget_ms=max(0, int((t.deadline - time.monotonic()) * 1000)),
                     sent_at_ns=time.time_ns(),
                     consumer_generation=self.generation,
-                    **kw,  # type: ignore[arg-type]
                 )  # fmt: skip
                 backend.send_notif(peer.agents[ids.rank], encode_msg(msg))
                 t.expected.add((d, ids.rank))
@@ -394,9 +394,9 @@ class Consumer(FirstContact):
         for d in t.ranks:
             plan = t.peer.plans[d]
             if plan.kernel_bsr > 1:
-                cached = int(t.kwargs.get("num_cached_blocks", 0))  # type: ignore[call-overload]
+                cached = int(t.ids.num_cached_blocks)
                 cache = self.ranks[d]
-                relayout_bsr(cache.spec, cache.bufs, t.local_ids[cached:], plan.kernel_bsr)
+                relayout_bsr(cache.spec, cache.bufs, t.ids.local[cached:], plan.kernel_bsr)
         t.finished_at = time.perf_counter()
         t.state = RequestState.DONE
         self._stats.record(t)

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from kvxfer.engine.config import RequestState, check_seconds
 from kvxfer.errors import KvxferError, WaitTimeout
 from kvxfer.planning.pairing import PeerPlan
+from kvxfer.planning.request import BlockIds
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp
 
 
@@ -99,9 +100,7 @@ class Transfer:
     consumer: RequestDriver
     peer: PeerInfo
     deadline: float
-    local_ids: npt.NDArray[np.int64]
-    remote_ids: npt.NDArray[np.int64]
-    kwargs: dict[str, object]
+    ids: BlockIds  # local/remote (and state) block ids, cached count; validated when posted
     ranks: tuple[int, ...]
     op: XferOp = XferOp.READ
     state: RequestState = RequestState.PENDING

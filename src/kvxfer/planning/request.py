@@ -15,6 +15,9 @@ Id expansion rules:
 - prefix hit: the first ``num_cached_blocks`` local logical blocks (and the remote
   kernel blocks that would fill them) are skipped.
 - STATE rows map logical ids one to one (``local_state_ids[i] <-> remote_state_ids[i]``).
+
+:class:`BlockIds` carries one request's ids (the arguments of :func:`plan_request`
+after the peer) as one value; ``BlockIds.of(...).plan(peer)`` is ``plan_request(peer, ...)``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from kvxfer.errors import LayoutError
 from kvxfer.planning.descriptors import LEN, STRIDE
 from kvxfer.planning.pairing import PeerPlan, SourcePlan
 
-__all__ = ["RequestPlan", "SourceIds", "expand_ids", "plan_request"]
+__all__ = ["BlockIds", "RequestPlan", "SourceIds", "expand_ids", "plan_request"]
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]  # descriptor indices, as NIXL takes them
@@ -87,6 +90,69 @@ class RequestPlan:
     @property
     def num_block_descriptors(self) -> int:
         return sum(s.num_block_descriptors for s in self.sources)
+
+
+def _int64(ids: npt.ArrayLike) -> I64:
+    """``ids`` as an int64 array where that loses nothing (signed integers, or empty);
+    anything else is kept as given, so that :func:`plan_request` refuses it (floats,
+    bools, strings) or converts it (unsigned) exactly as it does for a caller's ids."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind == "i" or arr.size == 0:
+        return arr.astype(np.int64, copy=False)
+    return arr
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockIds:
+    """One request's logical block ids, as one value (what an engine keeps per request).
+
+    ``local`` and ``remote`` are the attention block ids of each side in token order;
+    ``local_state`` and ``remote_state`` the state block ids of hybrid / state models
+    (None: the attention ids); ``num_cached_blocks`` the leading local blocks already
+    present (prefix hit). Nothing is validated here: :meth:`plan` hands the ids to
+    :func:`plan_request`, the one place that validates them (against a peer's pools).
+    """
+
+    local: I64
+    remote: I64
+    local_state: I64 | None = None
+    remote_state: I64 | None = None
+    num_cached_blocks: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        local: npt.ArrayLike,
+        remote: npt.ArrayLike,
+        *,
+        local_state: npt.ArrayLike | None = None,
+        remote_state: npt.ArrayLike | None = None,
+        num_cached_blocks: int = 0,
+    ) -> BlockIds:
+        """Arrays from a caller's ids (lists, tuples, arrays): int64 where lossless.
+
+        Ids that are not signed integers (floats, bools, strings, unsigned) are kept
+        as given, so that :meth:`plan` refuses or converts them as :func:`plan_request`
+        does; a silent int64 cast would truncate ``1.5`` to block 1.
+        """
+        return cls(
+            _int64(local),
+            _int64(remote),
+            None if local_state is None else _int64(local_state),
+            None if remote_state is None else _int64(remote_state),
+            num_cached_blocks,
+        )
+
+    def plan(self, peer: PeerPlan) -> RequestPlan:
+        """``plan_request(peer, ...)`` with these ids (raises what it raises)."""
+        return plan_request(
+            peer,
+            self.local,
+            self.remote,
+            local_state_ids=self.local_state,
+            remote_state_ids=self.remote_state,
+            num_cached_blocks=self.num_cached_blocks,
+        )
 
 
 def _as_ids(ids: npt.ArrayLike, num_blocks: int, what: str) -> I64:
