@@ -38,7 +38,7 @@ from kvxfer.layout.presets import PRESETS, spec_for
 from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, row_starts
 from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
-from kvxfer.planning.request import BlockIds, RequestPlan, SourceIds, plan_request
+from kvxfer.planning.request import RequestIds, RequestPlan, SourceIds, plan_request
 from kvxfer.planning.tp import TpPlan, plan_tp
 
 if TYPE_CHECKING:
@@ -76,7 +76,6 @@ __all__ = [
     "AttnKind",
     "AuthError",
     "BackendUnavailableError",
-    "BlockIds",
     "CacheLayout",
     "CancelledError",
     "ClosedError",
@@ -97,6 +96,7 @@ __all__ = [
     "Producer",
     "ProtocolError",
     "Region",
+    "RequestIds",
     "RequestPlan",
     "RequestState",
     "Shard",

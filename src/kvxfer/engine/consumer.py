@@ -36,7 +36,7 @@ from kvxfer.errors import (
 )
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.planning.pairing import pair_layouts
-from kvxfer.planning.request import BlockIds, plan_request
+from kvxfer.planning.request import RequestIds, plan_request
 from kvxfer.transport.backend import BackendFactory
 from kvxfer.transport.nixl import XferOp, XferState
 from kvxfer.transport.side_channel import SideChannelServer
@@ -232,7 +232,7 @@ class Consumer(FirstContact):
             if d not in self.ranks:
                 raise ConfigError(f"local rank {d} is not hosted here (have {sorted(self.ranks)})")
         deadline = time.monotonic() + (self.config.deadline_s if deadline_s is None else deadline_s)
-        ids = BlockIds.of(
+        ids = RequestIds.of(
             local_block_ids, remote_block_ids, local_state=local_state_ids,
             remote_state=remote_state_ids, num_cached_blocks=num_cached_blocks,
         )  # fmt: skip

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from kvxfer.engine.config import RequestState, check_seconds
 from kvxfer.errors import KvxferError, WaitTimeout
 from kvxfer.planning.pairing import PeerPlan
-from kvxfer.planning.request import BlockIds
+from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp
 
 
@@ -100,7 +100,7 @@ class Transfer:
     consumer: RequestDriver
     peer: PeerInfo
     deadline: float
-    ids: BlockIds  # local/remote (and state) block ids, cached count; validated when posted
+    ids: RequestIds  # local/remote (and state) block ids, cached count; validated when posted
     ranks: tuple[int, ...]
     op: XferOp = XferOp.READ
     state: RequestState = RequestState.PENDING

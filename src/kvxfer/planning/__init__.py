@@ -3,12 +3,12 @@ Values in, values out (NumPy arrays and frozen dataclasses); no I/O."""
 
 from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, row_starts
 from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
-from kvxfer.planning.request import BlockIds, RequestPlan, SourceIds, plan_request
+from kvxfer.planning.request import RequestIds, RequestPlan, SourceIds, plan_request
 from kvxfer.planning.tp import TpPlan, plan_tp
 
 __all__ = [
-    "BlockIds",
     "PeerPlan",
+    "RequestIds",
     "RequestPlan",
     "SourceIds",
     "SourcePlan",

@@ -16,8 +16,8 @@ Id expansion rules:
   kernel blocks that would fill them) are skipped.
 - STATE rows map logical ids one to one (``local_state_ids[i] <-> remote_state_ids[i]``).
 
-:class:`BlockIds` carries one request's ids (the arguments of :func:`plan_request`
-after the peer) as one value; ``BlockIds.of(...).plan(peer)`` is ``plan_request(peer, ...)``.
+:class:`RequestIds` carries one request's ids (the arguments of :func:`plan_request`
+after the peer) as one value; ``RequestIds.of(...).plan(peer)`` is ``plan_request(peer, ...)``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvxfer.errors import LayoutError
 from kvxfer.planning.descriptors import LEN, STRIDE
 from kvxfer.planning.pairing import PeerPlan, SourcePlan
 
-__all__ = ["BlockIds", "RequestPlan", "SourceIds", "expand_ids", "plan_request"]
+__all__ = ["RequestIds", "RequestPlan", "SourceIds", "expand_ids", "plan_request"]
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]  # descriptor indices, as NIXL takes them
@@ -103,7 +103,7 @@ def _int64(ids: npt.ArrayLike) -> I64:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class BlockIds:
+class RequestIds:
     """One request's logical block ids, as one value (what an engine keeps per request).
 
     ``local`` and ``remote`` are the attention block ids of each side in token order;
@@ -128,7 +128,7 @@ class BlockIds:
         local_state: npt.ArrayLike | None = None,
         remote_state: npt.ArrayLike | None = None,
         num_cached_blocks: int = 0,
-    ) -> BlockIds:
+    ) -> RequestIds:
         """Arrays from a caller's ids (lists, tuples, arrays): int64 where lossless.
 
         Ids that are not signed integers (floats, bools, strings, unsigned) are kept

@@ -1,4 +1,4 @@
-"""BlockIds: one request's ids as one value; ``.plan(peer)`` is ``plan_request(peer, ...)``."""
+"""RequestIds: one request's ids as one value; ``.plan(peer)`` is ``plan_request(peer, ...)``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from kvxfer.layout.model import CacheLayout
 from kvxfer.layout.presets import spec_for
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.planning.pairing import PeerPlan, pair_layouts
-from kvxfer.planning.request import BlockIds, RequestPlan, plan_request
+from kvxfer.planning.request import RequestIds, RequestPlan, plan_request
 
 
 def build(spec: LayoutSpec, base: int) -> CacheLayout:
@@ -42,7 +42,7 @@ def assert_same_plan(got: RequestPlan, want: RequestPlan) -> None:
 def test_plan_equals_plan_request_with_state_ids_and_cached_blocks() -> None:
     peer = hybrid_peer()
     assert len(peer.sources) == 2  # both producer ranks are sources
-    ids = BlockIds.of(
+    ids = RequestIds.of(
         [3, 7, 1, 9], (2, 5, 11, 0), local_state=[4, 6], remote_state=[8, 10], num_cached_blocks=1
     )
     assert ids.local.dtype == ids.remote.dtype == np.int64
@@ -61,10 +61,10 @@ def test_plan_equals_plan_request_with_state_ids_and_cached_blocks() -> None:
 
 def test_defaults_plan_like_plan_request_defaults() -> None:
     peer = hybrid_peer()
-    ids = BlockIds.of([3, 7], [2, 5])
+    ids = RequestIds.of([3, 7], [2, 5])
     assert ids.local_state is None and ids.remote_state is None and ids.num_cached_blocks == 0
     assert_same_plan(ids.plan(peer), plan_request(peer, [3, 7], [2, 5]))
-    assert_same_plan(BlockIds.of([], []).plan(peer), plan_request(peer, [], []))
+    assert_same_plan(RequestIds.of([], []).plan(peer), plan_request(peer, [], []))
 
 
 @pytest.mark.parametrize(
@@ -78,6 +78,6 @@ def test_defaults_plan_like_plan_request_defaults() -> None:
     ],
 )
 def test_of_leaves_validation_to_plan_request(lids: object, rids: object, match: str) -> None:
-    ids = BlockIds.of(lids, rids)  # type: ignore[arg-type]  # no error here: plan validates
+    ids = RequestIds.of(lids, rids)  # type: ignore[arg-type]  # no error here: plan validates
     with pytest.raises(LayoutError, match=match):
         ids.plan(hybrid_peer())
