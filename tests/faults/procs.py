@@ -59,6 +59,9 @@ def _stats(prod: Any, freed: Counter[str]) -> dict[str, Any]:
         "num_unknown_acks": sum(t.num_unknown_acks for t in prod._tables.values()),
         "server_rejected": prod.server.num_rejected,
         "server_served": prod.server.num_served,
+        "num_unauthenticated": sum(
+            getattr(r.backend, "num_unauthenticated", 0) for r in prod.ranks
+        ),
         "thread_alive": prod._thread.is_alive(),
         "generation": prod.generation,
     }
@@ -83,6 +86,7 @@ def _producer_main(conn: Connection, opts: dict[str, Any]) -> None:
         side_channel_addr=opts["address"],
         model_name=MODEL,
         lease_s=opts["lease_s"],
+        auth_key=opts.get("auth_key"),
     )
     freed: Counter[str] = Counter()
     with Producer(cfg, ranks) as prod:
@@ -116,6 +120,7 @@ class ProducerProc:
         address: side-channel endpoint to bind (port 0: any free port).
         fill: "pattern" (verifiable bytes), "const" (0xAB everywhere) or "none" (zeros).
         lease_s: default lease on held requests.
+        auth_key: deployment key of the producer (None: unkeyed).
     """
 
     def __init__(
@@ -129,11 +134,12 @@ class ProducerProc:
         fill: str = "pattern",
         lease_s: float = 60.0,
         ranks: Sequence[int] | None = None,
+        auth_key: bytes | None = None,
     ) -> None:
         self.opts = dict(
             preset=preset, num_blocks=num_blocks, tp=tp, address=address,
             engine_id=engine_id, fill=fill, lease_s=lease_s,
-            ranks=None if ranks is None else list(ranks),
+            ranks=None if ranks is None else list(ranks), auth_key=auth_key,
         )  # fmt: skip
         self.preset, self.num_blocks, self.tp = preset, num_blocks, tp
         ctx = mp.get_context("spawn")
@@ -244,6 +250,7 @@ def make_consumer(
     handshake_timeout_s: float = 5.0,
     heartbeat_s: float = 1.0,
     side_channel_addr: str = "tcp://127.0.0.1:0",
+    auth_key: bytes | None = None,
 ) -> tuple[Any, list[tuple[LayoutSpec, list[Any]]]]:
     """A :class:`kvxfer.engine.consumer.Consumer` over zeroed buffers; returns it and its ranks."""
     from kvxfer.engine.consumer import Consumer
@@ -259,6 +266,7 @@ def make_consumer(
         handshake_timeout_s=handshake_timeout_s,
         heartbeat_s=heartbeat_s,
         side_channel_addr=side_channel_addr,
+        auth_key=auth_key,
     )
     return Consumer(cfg, ranks), ranks
 

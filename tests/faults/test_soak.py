@@ -1,6 +1,9 @@
 """Chaos soak (issue 9, acceptance): mixed pull and push requests over several producer
 processes while producers are SIGSTOPped, killed and restarted at the same address, the
-consumer restarts, and a third agent sends forged and replayed notifications.
+consumer restarts, and a third agent sends forged and replayed notifications. Run
+unkeyed, and keyed (every engine shares a deployment key; the forger, which holds every
+agent's metadata but not the key, also sends forged ReadDone and Abort notices for live
+requests to the producers: all of them must be dropped unauthenticated).
 
 Every request that ends DONE is byte-verified at once (0 wrong bytes may be DONE); every
 request ends within its deadline + LATE_S; afterwards nothing is held and no transfer
@@ -21,8 +24,10 @@ import numpy as np
 import pytest
 
 from kvxfer.engine.config import RequestState
+from kvxfer.errors import KvxferError
 from kvxfer.transport.nixl import NixlBackend
-from kvxfer.wire import WriteDone, encode_msg
+from kvxfer.transport.side_channel import fetch_records
+from kvxfer.wire import Abort, ReadDone, WriteDone, encode_msg
 
 from .procs import ProducerProc, free_port, make_consumer, verify
 
@@ -43,20 +48,30 @@ def _rss_mb() -> float:
     return int(line.split()[1]) / 1024
 
 
-def _producer(addr: str, i: int) -> ProducerProc:
-    return ProducerProc(engine_id=f"p{i}", num_blocks=NB_REMOTE, address=addr, lease_s=3.0)
+KEY = b"chaos-soak-deployment-key-0001"
 
 
-def test_chaos_soak(closing) -> None:  # type: ignore[no-untyped-def]
+def _producer(addr: str, i: int, key: bytes | None) -> ProducerProc:
+    return ProducerProc(engine_id=f"p{i}", num_blocks=NB_REMOTE, address=addr, lease_s=3.0,
+                        auth_key=key)  # fmt: skip
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "keyed"])
+def test_chaos_soak(keyed: bool, closing) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(9)
+    key = KEY if keyed else None
     addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(NUM_PRODUCERS)]
-    procs = [_producer(a, i).launch() for i, a in enumerate(addrs)]
+    procs = [_producer(a, i, key).launch() for i, a in enumerate(addrs)]
     procs = [p.wait_ready() for p in procs]
     ready = [True] * NUM_PRODUCERS
     stopped_until = [0.0] * NUM_PRODUCERS
-    cons, ranks = make_consumer("tiny-gqa", NB_LOCAL, handshake_timeout_s=1.0, heartbeat_s=0.3)
-    forger = NixlBackend("forger", progress_delay_us=200)
+    cons, ranks = make_consumer("tiny-gqa", NB_LOCAL, handshake_timeout_s=1.0, heartbeat_s=0.3,
+                                auth_key=key)  # fmt: skip
+    forger = NixlBackend("forger", progress_delay_us=200)  # never has the key
     forged_to = forger.add_remote(cons.ranks[0].backend.metadata())
+    # producer i -> (its generation, its agent as the forger knows it): keyed runs only
+    forged_prod: dict[int, tuple[int, str]] = {}
+    forger_unauth_at_consumer = 0
     rss0 = _rss_mb()
     free_slots = list(range(NB_LOCAL // 2))
     live: list[tuple[object, int, int, np.ndarray]] = []  # (transfer, producer, slot, rids)
@@ -91,16 +106,34 @@ def test_chaos_soak(closing) -> None:  # type: ignore[no-untyped-def]
                     procs[i].kill()
                     faults["kill+restart"] += 1
                     procs[i].close()
-                    procs[i] = _producer(addrs[i], i).launch()  # same address, new generation
+                    procs[i] = _producer(addrs[i], i, key).launch()  # same address, new generation
                     ready[i] = False
-            for t, *_ in live[:8]:  # forged and replayed notices for live attempts
+            for t, i, *_ in live[:8]:  # forged and replayed notices for live attempts
                 att = rng.choice([t.attempt, rng.getrandbits(63)])  # type: ignore[attr-defined]
                 gen = next(iter(t.peer.generations.values()), 1)  # type: ignore[attr-defined]
                 forger.send_notif(forged_to, encode_msg(WriteDone(t.request_id, gen, 0, 1, att)))  # type: ignore[attr-defined]
                 faults["forged"] += 1
+                if keyed and ready[i] and not stopped_until[i]:
+                    if forged_prod.get(i, (0, ""))[0] != procs[i].generation:
+                        # the forger holds the producer's metadata (fetched here with the
+                        # key, standing for a leak), never the key itself
+                        (rec,) = fetch_records(addrs[i], None, cons.compat_hash, 1.0, auth_key=KEY)
+                        forged_prod[i] = (rec.generation, forger.add_remote(rec.agent_metadata))
+                    pgen, agent = forged_prod[i]
+                    rid, live_att = t.request_id, t.attempt  # type: ignore[attr-defined]
+                    for msg in (
+                        ReadDone(rid, pgen, 0, 1, live_att),
+                        Abort(rid, pgen, "forged", live_att),
+                    ):
+                        try:
+                            forger.send_notif(agent, encode_msg(msg))
+                            faults["forged to producers"] += 1
+                        except KvxferError:  # the producer died since: its agent is gone
+                            faults["forged to dead producers"] += 1
             if not restarted_consumer and started >= NUM_REQUESTS // 2:
                 restarted_consumer = True  # consumer restart: live requests end ABORTED
                 faults["consumer restart"] += 1
+                forger_unauth_at_consumer += cons.ranks[0].backend.num_unauthenticated
                 cons.close()
                 for t, _, _, _ in live:
                     ends[t.poll().value] += 1  # type: ignore[attr-defined]
@@ -108,7 +141,7 @@ def test_chaos_soak(closing) -> None:  # type: ignore[no-untyped-def]
                 free_slots = list(range(NB_LOCAL // 2))
                 forger.remove_remote(forged_to)
                 cons, ranks = make_consumer("tiny-gqa", NB_LOCAL, handshake_timeout_s=1.0,
-                                            heartbeat_s=0.3)  # fmt: skip
+                                            heartbeat_s=0.3, auth_key=key)  # fmt: skip
                 forged_to = forger.add_remote(cons.ranks[0].backend.metadata())
             due = NUM_REQUESTS * (now - t_start) / DURATION_S  # paced: faults meet requests
             while started < min(NUM_REQUESTS, due) and len(live) < IN_FLIGHT and free_slots:
@@ -158,19 +191,28 @@ def test_chaos_soak(closing) -> None:  # type: ignore[no-untyped-def]
         for i, p in enumerate(procs):
             if stopped_until[i]:
                 p.signal(signal.SIGCONT)
-        held = [p.wait_free(8)["held_blocks"] if ready[i] else 0 for i, p in enumerate(procs)]
+        end_stats = [p.wait_free(8) if ready[i] else None for i, p in enumerate(procs)]
+        held = [s["held_blocks"] if s else 0 for s in end_stats]
+        prod_unauth = sum(s["num_unauthenticated"] for s in end_stats if s)
+        cons_unauth = forger_unauth_at_consumer + cons.ranks[0].backend.num_unauthenticated
         handles = sum(len(c.backend._xfers) for c in cons.ranks.values())
         rss1 = _rss_mb()
         print(f"\n[measure] soak: {started} requests over {NUM_PRODUCERS} producers: {dict(ends)}; "
               f"wrong bytes DONE {wrong:.0f}; worst lateness {worst_late * 1e3:.1f} ms; "
               f"held after {held}; handles {handles}; rejected notices {cons.num_rejected}; "
-              f"RSS {rss0:.0f} -> {rss1:.0f} MB; faults {dict(faults)}")  # fmt: skip
+              f"RSS {rss0:.0f} -> {rss1:.0f} MB; faults {dict(faults)}; dropped unauthenticated: "
+              f"consumer {cons_unauth}, live producers {prod_unauth}")  # fmt: skip
         assert wrong == 0
         assert sum(ends.values()) == started
         assert ends["done"] > started // 3
         assert worst_late < LATE_S
         assert held == [0] * NUM_PRODUCERS
         assert handles == 0
+        if keyed:  # every forged notice was dropped before the engines saw it
+            assert faults["forged to producers"] > 0 and prod_unauth > 0
+            assert cons_unauth > 0
+        else:
+            assert cons_unauth == prod_unauth == 0
     finally:
         for i, p in enumerate(procs):
             if stopped_until[i]:
