@@ -15,7 +15,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -28,17 +27,11 @@ from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
 from kvxfer.layout.presets import spec_for
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.testing.pattern import mismatches
+from tests.engines import free_port
 
 START_TIMEOUT_S = 60.0  # spawn + import nixl + fill + agent creation, on a busy 2-core box
 REPLY_TIMEOUT_S = 20.0
 MODEL = "model"  # model_name on both sides (in the compat hash)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spec(preset: str, num_blocks: int, tp_rank: int = 0, tp_size: int = 1) -> LayoutSpec:

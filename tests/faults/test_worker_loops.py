@@ -3,37 +3,27 @@ fails only the job it hit, typed, with the cause chained."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, allocate_cache
+from kvxfer.engine import RequestState
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.errors import PeerLostError
-from kvxfer.layout.presets import spec_for
-from kvxfer.testing import fill, mismatches
+from kvxfer.testing import mismatches
+from tests.engines import free_port, local_pair
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _dead_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"  # closed when this returns
+    return f"tcp://127.0.0.1:{free_port()}"  # nobody listens there
 
 
 def test_handshake_thread_error_fails_one_contact_typed_and_the_next_succeeds() -> None:
-    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
-    bufs = allocate_cache(spec)
-    fill(spec, bufs)
-    local = allocate_cache(spec)
-    with (
-        Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod,
-        Consumer(EngineConfig("d", model_name="tiny-gqa"), [(spec, local)]) as cons,
-    ):
+    with local_pair(16) as (spec, local, prod, cons):
         backend = cons.ranks[0].backend
         real_add = backend.add_remote
         calls = []
@@ -95,14 +85,7 @@ def test_heartbeat_verdict_about_an_older_incarnation_keeps_the_peer() -> None:
     """Issue 9 item 12, made deterministic: a verdict computed from an old snapshot (other
     generations than the peer's now) must not drop the peer; one about its current
     generations drops it, and the next request makes a fresh contact and succeeds."""
-    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
-    bufs = allocate_cache(spec)
-    fill(spec, bufs)
-    local = allocate_cache(spec)
-    with (
-        Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod,
-        Consumer(EngineConfig("d", model_name="tiny-gqa"), [(spec, local)]) as cons,
-    ):
+    with local_pair(16) as (spec, local, prod, cons):
         peer = cons.connect(prod.address)
         cons._on_peer_lost(prod.address, "verdict about a predecessor", {prod.generation ^ 1})
         assert cons._peers.get(prod.address) is peer and peer.error is None

@@ -12,6 +12,7 @@ from kvxfer.engine.consumer import Consumer
 from kvxfer.engine.producer import Producer
 from kvxfer.layout.presets import spec_for
 from kvxfer.testing.pattern import fill, mismatches
+from tests.engines import free_port, local_pair
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
@@ -66,26 +67,11 @@ def test_refused_pairing_leaves_no_agent_behind() -> None:
         assert prod.held_blocks == 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_preconnect_then_first_request_skips_first_contact() -> None:
     """A consumer told its producer's address at start contacts it in the background and
     wires the notification path (one Heartbeat per producer rank, accepted silently): the
     first request then finds the peer ready and moves every byte."""
-    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=32)
-    bufs = allocate_cache(spec)
-    fill(spec, bufs)
-    local = allocate_cache(spec)
-    with (
-        Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod,
-        Consumer(EngineConfig("d", model_name="tiny-gqa"), [(spec, local)]) as cons,
-    ):
+    with local_pair(32) as (spec, local, prod, cons):
         sent: list[tuple[str, bytes]] = []
         backend = cons.ranks[0].backend
         real_send = backend.send_notif
@@ -119,7 +105,7 @@ def test_preconnect_waits_for_a_producer_that_starts_later() -> None:
     bufs = allocate_cache(spec)
     fill(spec, bufs)
     local = allocate_cache(spec)
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     cfg = EngineConfig("d", model_name="tiny-gqa", handshake_timeout_s=0.5)
     with Consumer(cfg, [(spec, local)]) as cons:
         th = cons.preconnect([address], retry_for_s=30, interval_s=0.1)
@@ -167,7 +153,7 @@ def test_preconnect_rejects_bad_addresses_and_stops_at_close() -> None:
             cons.preconnect(["tcp://127.0.0.1:9", ""])
         with pytest.raises(ConfigError, match="retry_for_s"):
             cons.preconnect(["tcp://127.0.0.1:9"], retry_for_s=-1)
-        th = cons.preconnect([f"tcp://127.0.0.1:{_free_port()}"], retry_for_s=600)
+        th = cons.preconnect([f"tcp://127.0.0.1:{free_port()}"], retry_for_s=600)
         time.sleep(0.3)
     finally:
         cons.close()

@@ -27,6 +27,7 @@ from kvxfer.wire import (
     model_facts,
     record_from_layout,
 )
+from tests.engines import free_port
 
 SPEC = LayoutSpec(AttnKind.SPLIT_KV, 4, 64, 16, 8, 128, tp_size=2)
 H = compat_hash(model_facts(SPEC, model_name="m", dtype="bf16", kv_dtype="bf16"))
@@ -177,12 +178,6 @@ def test_concurrent_fetches(server: SideChannelServer) -> None:
     for t in threads:
         t.join()
     assert not errors and server.num_served == 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_nobody_listening_is_peer_lost() -> None:

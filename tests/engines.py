@@ -1,0 +1,40 @@
+"""Helpers shared by the engine tests: a free port, and a producer and a consumer in
+this process over real NIXL (the producer's cache filled with the verifiable pattern)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kvxfer.engine import Consumer, EngineConfig, Producer, allocate_cache
+from kvxfer.layout.presets import spec_for
+from kvxfer.layout.spec import LayoutSpec
+from kvxfer.testing import fill
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def local_pair(
+    num_blocks: int = 16, **consumer_config: Any
+) -> Iterator[tuple[LayoutSpec, list[Any], Producer, Consumer]]:
+    """``(spec, consumer buffers, producer, consumer)``: tiny-gqa, TP 1 -> 1, the
+    producer filled with the pattern, the consumer's buffers zeroed; both closed after."""
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=num_blocks)
+    bufs = allocate_cache(spec)
+    fill(spec, bufs)
+    local = allocate_cache(spec)
+    with (
+        Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod,
+        Consumer(
+            EngineConfig("d", model_name="tiny-gqa", **consumer_config), [(spec, local)]
+        ) as cons,
+    ):
+        yield spec, local, prod, cons
