@@ -31,7 +31,7 @@ from typing import cast
 from kvxfer.engine.rank import RankCache
 from kvxfer.errors import KvxferError, PeerLostError, TransferError
 from kvxfer.planning.pairing import PeerPlan, pair_layouts
-from kvxfer.planning.request import plan_request
+from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp, XferState
 from kvxfer.transport.side_channel import fetch_records
 from kvxfer.wire import (
@@ -353,14 +353,10 @@ class PushWorker:
             theirs = backend.prepare(src.local_rows, job.sender, strided=self._strided)
             peer.lists[key] = (mine, theirs)
         mine, theirs = peer.lists[key]
-        rp = plan_request(
-            plan,
-            req.local_block_ids,
-            req.remote_block_ids,
-            local_state_ids=req.local_state_ids,
-            remote_state_ids=req.remote_state_ids,
-            num_cached_blocks=req.num_cached_blocks,
-        )
+        rp = RequestIds.of(
+            req.local_block_ids, req.remote_block_ids, local_state=req.local_state_ids,
+            remote_state=req.remote_state_ids, num_cached_blocks=req.num_cached_blocks,
+        ).plan(plan)  # fmt: skip
         ids = next(i for i in rp.sources if i.rank == rank)
         done = WriteDone(req.request_id, self._generation, rank, len(self._ranks), req.attempt)
         if self._is_cancelled(job) or time.monotonic() >= job.deadline:
