@@ -150,3 +150,18 @@ def test_a_request_asked_again_after_its_load_is_computed_locally() -> None:
     # once finished, the id may be reused by a new request
     s.finished("r7", params, [5, 6, 7], 70, True)
     assert s.matched_tokens("r7", 70, params, 0) == (70, True)
+
+
+def test_prefill_peers_config_is_a_list_of_addresses() -> None:
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.worker import peer_list
+
+    both = "tcp://10.0.0.6:5700,tcp://10.0.0.6:5701"
+    assert peer_list(["tcp://10.0.0.5:5700", both]) == ("tcp://10.0.0.5:5700", both)
+    assert peer_list([]) == ()
+    with pytest.raises(ConfigError, match=r"prefill_peers must be a list of addresses"):
+        peer_list("tcp://10.0.0.5:5700")  # a bare string would be split into characters
+    with pytest.raises(ConfigError, match=r"prefill_peers: not all non-empty strings"):
+        peer_list(["tcp://10.0.0.5:5700", " "])
+    with pytest.raises(ConfigError, match=r"prefill_peers: not all non-empty strings"):
+        peer_list([5700])

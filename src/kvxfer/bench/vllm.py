@@ -26,12 +26,8 @@ from kvxfer.bench.report import fmt_ratio, fmt_seconds, print_table, write_json
 
 __all__ = ["COLUMNS", "DEFAULT_SIZES", "QUICK_SIZES", "analyse", "run", "table_rows"]
 
-DEFAULT_SIZES = (
-    1,
-    2,
-    4,
-    8,
-)  # GiB per instance (whole GiB); 8: 1 M Nixl descriptors per list, ~22 of 23.5 GB
+# GiB per instance (vLLM takes whole GiB); 8: 1 M Nixl descriptors per list, ~22 of 23.5 GB
+DEFAULT_SIZES = (1, 2, 4, 8)
 QUICK_SIZES = (1,)
 LOCK = "/tmp/kvxfer-vllm.lock"
 TARGET_FIRST_OVER_WARM = 1.2

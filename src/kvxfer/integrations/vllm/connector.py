@@ -28,14 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvxfer.errors import ConfigError
 from kvxfer.integrations.vllm.scheduler import (
     HoldJob,
     LoadJob,
     ProducerRank,
     SchedulerSide,
 )
-from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
+from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, peer_list
 
 if TYPE_CHECKING:
     import torch
@@ -76,21 +75,6 @@ def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
     layer = ctx.get(layer_names[0]) if layer_names else None
     backend = getattr(layer, "attn_backend", None)
     return str(backend.get_name()) if backend is not None else "unknown"
-
-
-def _peer_list(value: Any) -> tuple[str, ...]:
-    """``prefill_peers``: a JSON list of producer addresses (each one as the prefill
-    publishes it: its ranks' endpoints, comma-separated)."""
-    if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise ConfigError(
-            "kv_connector_extra_config.prefill_peers must be a list of addresses such as "
-            f'["tcp://10.0.0.5:5700"], got {value!r}'
-        )
-    if not all(isinstance(a, str) and a.strip() for a in value):
-        raise ConfigError(
-            f"kv_connector_extra_config.prefill_peers: not all non-empty strings: {value!r}"
-        )
-    return tuple(value)
 
 
 def _log_through_vllm() -> None:
@@ -195,7 +179,7 @@ class KvxferConnector(KVConnectorBase_V1):
             deadline_s=float(_extra(cfg, "deadline_s", 30.0)),
             lease_s=float(_extra(cfg, "lease_s", 120.0)),
             heartbeat_s=float(_extra(cfg, "heartbeat_s", 1.0)),
-            prefill_peers=_peer_list(_extra(cfg, "prefill_peers", [])),
+            prefill_peers=peer_list(_extra(cfg, "prefill_peers", [])),
             preconnect_s=float(_extra(cfg, "preconnect_s", 600.0)),
         )
         self._worker = WorkerSide(settings)

@@ -18,13 +18,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, Transfer
-from kvxfer.errors import KvxferError
+from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
 
-__all__ = ["WorkerSettings", "WorkerSide"]
+__all__ = ["WorkerSettings", "WorkerSide", "peer_list"]
 
 log = logging.getLogger(__name__)
+
+
+def peer_list(value: Any) -> tuple[str, ...]:
+    """The ``prefill_peers`` extra-config value: a JSON list of producer addresses (each
+    as the prefill publishes it: its ranks' endpoints, comma-separated).
+
+    Raises:
+        ConfigError: naming the key, for anything but a list of non-empty strings.
+    """
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ConfigError(
+            "kv_connector_extra_config.prefill_peers must be a list of addresses such as "
+            f'["tcp://10.0.0.5:5700"], got {value!r}'
+        )
+    if not all(isinstance(a, str) and a.strip() for a in value):
+        raise ConfigError(
+            f"kv_connector_extra_config.prefill_peers: not all non-empty strings: {value!r}"
+        )
+    return tuple(value)
 
 
 @dataclass(frozen=True, slots=True)
