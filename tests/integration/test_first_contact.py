@@ -159,3 +159,37 @@ def test_preconnect_rejects_bad_addresses_and_stops_at_close() -> None:
         cons.close()
     th.join(5)
     assert not th.is_alive()  # close ends the retry loop long before retry_for_s
+
+
+def test_preconnect_contacts_a_restarted_producer_again() -> None:
+    """An address given to preconnect stays watched: when the heartbeat drops its producer
+    (here it closed), the consumer contacts the address again and finds the producer's new
+    incarnation there before any request names it."""
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    bufs = allocate_cache(spec)
+    fill(spec, bufs)
+    local = allocate_cache(spec)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    cfg = EngineConfig("d", model_name="tiny-gqa", handshake_timeout_s=0.5, heartbeat_s=0.2)
+    pcfg = EngineConfig("p", model_name="tiny-gqa", side_channel_addr=address)
+    with Consumer(cfg, [(spec, local)]) as cons:
+        with Producer(pcfg, [(spec, bufs)]) as first:
+            cons.preconnect([address], retry_for_s=30, interval_s=0.1).join(20)
+            (fc,) = cons.stats().first_contacts
+            assert (fc.address, fc.generations) == (address, {0: first.generation})
+        time.sleep(1.5)  # the heartbeat drops the closed producer; nothing answers yet
+        with Producer(pcfg, [(spec, bufs)]) as second:
+            assert second.generation != first.generation
+            def contacted() -> list[tuple[str, dict[int, int]]]:
+                return [(f.address, dict(f.generations)) for f in cons.stats().first_contacts]
+
+            end = time.monotonic() + 20
+            while contacted() != [(address, {0: second.generation})] and time.monotonic() < end:
+                time.sleep(0.05)
+            assert contacted() == [(address, {0: second.generation})]
+            phases = cons.stats().first_contacts[0].phases_s
+            t = cons.read("r", address, local_block_ids=[4, 5], remote_block_ids=[9, 15],
+                          generation=second.generation)  # fmt: skip
+            assert t.wait(10) is RequestState.DONE
+            assert mismatches(spec, local, spec, np.array([4, 5]), np.array([9, 15])) == 0
+            assert cons.stats().first_contacts[0].phases_s == phases  # no new contact

@@ -98,6 +98,7 @@ class Consumer(FirstContact):
         self.compat_hash = config.compat_hash(ranks[0][0])
         self._lock = threading.Lock()
         self._peers: dict[str, PeerInfo] = {}
+        self._watched: dict[str, tuple[float, float]] = {}
         self._stats = StatsRecorder()
         self.ranks: dict[int, RankCache] = {}
         try:

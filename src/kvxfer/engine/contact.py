@@ -38,6 +38,7 @@ class FirstContact:
     _lock: threading.Lock  # the peers dict
     _engine_lock: threading.RLock  # NIXL calls and peer bookkeeping
     _peers: dict[str, PeerInfo]
+    _watched: dict[str, tuple[float, float]]  # preconnect addresses (under _lock)
     _monitor: PeerMonitor
 
     def connect(self, address: str, timeout_s: float | None = None) -> PeerInfo:
@@ -61,17 +62,27 @@ class FirstContact:
         A producer that does not answer yet is tried again every ``interval_s`` for up to
         ``retry_for_s`` (it may start after this consumer); one whose layout cannot pair
         with ours is logged and not retried. Requests to an address contacted here skip
-        first contact. Returns the (daemon) thread; it ends when every address is
-        connected, when ``retry_for_s`` has passed, or soon after :meth:`close`.
+        first contact. The addresses stay watched: when a producer there is dropped (the
+        heartbeat lost it, or a request found it restarted), the address is contacted
+        again the same way, so its next incarnation is ready before a request names it.
+        Returns the (daemon) thread; it ends when every address is connected, when
+        ``retry_for_s`` has passed, or soon after :meth:`close`.
         """
         check_seconds("retry_for_s", retry_for_s)
         check_seconds("interval_s", interval_s)
         for a in addresses:
             if not isinstance(a, str) or not a.strip():
                 raise ConfigError(f"preconnect: an address must be a non-empty string, got {a!r}")
+        with self._lock:
+            self._watched.update({a: (retry_for_s, interval_s) for a in addresses})
+        return self._start_preconnect(list(addresses), retry_for_s, interval_s)
+
+    def _start_preconnect(
+        self, addresses: list[str], retry_for_s: float, interval_s: float
+    ) -> threading.Thread:
         th = threading.Thread(
             target=self._preconnect_loop,
-            args=(list(addresses), retry_for_s, interval_s),
+            args=(addresses, retry_for_s, interval_s),
             name="kvxfer-preconnect",
             daemon=True,
         )
@@ -219,12 +230,16 @@ class FirstContact:
                     return  # already dropped (or replaced by a newer handshake)
                 del self._peers[peer.address]
                 self._monitor.forget(peer.address)
+                watched = self._watched.get(peer.address)
             for cache in self.ranks.values():
                 for agent in peer.agents.values():
                     try:
                         cache.backend.remove_remote(agent)
                     except KvxferError as e:
                         log.debug("remove_remote %s: %s", agent, e)
+        if watched is not None and not self._closed:
+            log.info("preconnect: %s dropped; contacting it again", peer.address)
+            self._start_preconnect([peer.address], *watched)
 
     def _recheck(self, t: Transfer) -> None:
         """A request pinned to another generation than the peer's: refetch the producer's

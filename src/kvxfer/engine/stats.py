@@ -32,12 +32,14 @@ class FirstContactStats:
         phases_s: seconds per phase (fetch, add_agent, build, prepare, wire_up).
         num_rows: strided rows prepared (what NIXL ingested).
         num_descriptors: descriptors those rows stand for (what a dense list would hold).
+        generations: the incarnation contacted, per producer TP rank.
     """
 
     address: str
     phases_s: Mapping[str, float]
     num_rows: int
     num_descriptors: int
+    generations: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,9 @@ class StatsRecorder:
             counts, total = tuple(self._counts), self._sum_s
             moved, posted = self._bytes, self._descriptors
         contacts = tuple(
-            FirstContactStats(p.address, dict(p.timings_s), p.num_rows, p.num_descriptors)
+            FirstContactStats(
+                p.address, dict(p.timings_s), p.num_rows, p.num_descriptors, dict(p.generations)
+            )
             for p in peers
             if p.ready.is_set() and p.error is None
         )
