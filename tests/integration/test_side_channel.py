@@ -212,3 +212,24 @@ def test_stopped_server_cannot_restart() -> None:
     srv.stop()
     with pytest.raises(LayoutError, match="restart"):
         srv.start()
+
+
+def test_a_caller_held_up_before_waiting_still_waits_for_the_reply(
+    server: SideChannelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeout is the time given to the peer to answer, from the request being sent:
+    a caller descheduled before it could wait (here the clock jumps 2 s, past the whole
+    timeout, between two readings) is not told the peer did not answer. On a loaded
+    machine (vLLM TP workers spinning) this made heartbeats report live peers lost."""
+    real, me, calls = time.monotonic, threading.get_ident(), [0]
+
+    def late_clock() -> float:  # this thread's readings after its first: 2 s later
+        if threading.get_ident() != me:
+            return real()
+        calls[0] += 1
+        return real() + (2.0 if calls[0] > 1 else 0.0)
+
+    monkeypatch.setattr(time, "monotonic", late_clock)
+    (rec,) = fetch_records(server.address, [1], H, 0.5)
+    monkeypatch.undo()
+    assert (rec.tp_rank, rec.agent_name) == (1, "p1")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 
 import zmq
@@ -389,9 +388,11 @@ def fetch_records(
 ) -> list[LayoutRecord]:
     """Fetch and decode the handshake records of ``ranks`` (None: all) from ``address``.
 
-    Uses a fresh DEALER socket per call, so it is thread-safe; never blocks past
-    ``timeout_s``. With ``auth_key`` the request is sealed and only a reply sealed
-    for it is accepted.
+    Uses a fresh DEALER socket per call, so it is thread-safe. The peer gets
+    ``timeout_s`` to answer, counted from the request being queued: a caller held up
+    before it could wait (a starved thread on a loaded machine) still waits that long,
+    so a late caller is not mistaken for a silent peer. With ``auth_key`` the request is
+    sealed and only a reply sealed for it is accepted.
 
     Returns:
         The decoded records, in the order of ``ranks`` (by rank when None).
@@ -404,7 +405,6 @@ def fetch_records(
             authenticated with ours (a ProtocolError).
         LayoutError: ``address`` is not a valid ZMQ endpoint.
     """
-    deadline = time.monotonic() + timeout_s
     if ranks is not None and (len(ranks) > MAX_RANKS or any(not 0 <= r < 1 << 32 for r in ranks)):
         raise ConfigError(f"ranks must be at most {MAX_RANKS} ints in [0, 2**32), got {ranks}")
     request = encode_side(GetRecords(None if ranks is None else tuple(ranks), expected_hash))
@@ -423,8 +423,8 @@ def fetch_records(
             sock.send(request, zmq.NOBLOCK)  # DEALER queues on the pipe connect() created
         except zmq.Again:
             raise lost from None
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+        # ZMQ's own thread connects, sends and receives without us: the wait is the peer's
+        if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
             raise lost
         frames = sock.recv_multipart(zmq.NOBLOCK)
     finally:
