@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 import pytest
@@ -165,3 +166,32 @@ def test_prefill_peers_config_is_a_list_of_addresses() -> None:
         peer_list(["tcp://10.0.0.5:5700", " "])
     with pytest.raises(ConfigError, match=r"prefill_peers: not all non-empty strings"):
         peer_list([5700])
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
+    reason="needs Linux thread affinity and two CPUs",
+)
+def test_engine_threads_are_not_pinned_to_the_workers_cores() -> None:
+    """vLLM pins its worker thread to its OpenMP cores; threads the engines start there
+    must not inherit that pin (they would wait for the forward pass), and the worker
+    thread keeps its own."""
+    import threading
+
+    from kvxfer.integrations.vllm.worker import threads_on_every_cpu
+
+    everyone = set(range(os.cpu_count() or 1)) & os.sched_getaffinity(0)
+    seen: dict[str, set[int]] = {}
+
+    def worker() -> None:  # stands for vLLM's pinned worker thread
+        os.sched_setaffinity(0, {0})
+        with threads_on_every_cpu():
+            th = threading.Thread(target=lambda: seen.update(engine=os.sched_getaffinity(0)))
+            th.start()
+            th.join()
+        seen["worker"] = os.sched_getaffinity(0)
+
+    th = threading.Thread(target=worker)  # affinity is per thread: not pytest's
+    th.start()
+    th.join()
+    assert seen == {"engine": everyone, "worker": {0}}

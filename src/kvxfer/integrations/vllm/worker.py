@@ -13,7 +13,9 @@ own threads are behind their public, thread-safe methods.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,29 @@ def peer_list(value: Any) -> tuple[str, ...]:
             f"kv_connector_extra_config.prefill_peers: not all non-empty strings: {value!r}"
         )
     return tuple(value)
+
+
+@contextmanager
+def threads_on_every_cpu() -> Iterator[None]:
+    """Threads started inside may run on every CPU the process may use.
+
+    vLLM's CPU worker pins its thread to the cores of its OpenMP team, and a thread
+    inherits the affinity of the thread that starts it: without this, the engines'
+    threads (side channel, heartbeat, NIXL's progress) would share those cores with
+    the forward pass and wait for it. The calling thread's own affinity is restored.
+    """
+    if not hasattr(os, "sched_setaffinity"):  # not Linux
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError as e:  # a cpuset that refuses: keep the pinning, say so once
+        log.warning("kvxfer threads stay on CPUs %s: %s", sorted(own), e)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +127,13 @@ class WorkerSide:
                 heartbeat_s=s.heartbeat_s,
             )  # fmt: skip
 
-        if s.is_producer:
-            self.producer = Producer(config("p", f"tcp://{s.host}:{port}"), [(spec, bufs)])
-        if s.is_consumer:
-            self.consumer = Consumer(config("d", f"tcp://{s.host}:0"), [(spec, bufs)])
-            if s.prefill_peers:  # first contact now, off every request's path
-                self.consumer.preconnect(s.prefill_peers, retry_for_s=s.preconnect_s)
+        with threads_on_every_cpu():
+            if s.is_producer:
+                self.producer = Producer(config("p", f"tcp://{s.host}:{port}"), [(spec, bufs)])
+            if s.is_consumer:
+                self.consumer = Consumer(config("d", f"tcp://{s.host}:0"), [(spec, bufs)])
+                if s.prefill_peers:  # first contact now, off every request's path
+                    self.consumer.preconnect(s.prefill_peers, retry_for_s=s.preconnect_s)
         log.info("kvxfer worker rank %d: %s, %d layers x %d blocks, producer %s",
                  s.tp_rank, spec.kind.value, spec.num_layers, spec.num_blocks,
                  self.producer.address if self.producer else "-")  # fmt: skip
@@ -124,8 +150,11 @@ class WorkerSide:
             if self.producer is None:
                 continue
             self.producer.hold(h.request_id, block_ids=h.block_ids)
-        for job in loads:
-            self._start_load(job)
+        loads = list(loads)
+        if loads:  # a load may start a first contact's thread
+            with threads_on_every_cpu():
+                for job in loads:
+                    self._start_load(job)
 
     def _start_load(self, job: LoadJob) -> None:
         if self.consumer is None:
