@@ -56,9 +56,12 @@ def test_analyse_ratios_and_targets() -> None:
     assert not t["all_tokens_equal"]
     rows = table_rows(doc)
     assert [r[0] for r in rows] == ["nixl", "kvxfer", "nixl", "kvxfer"]
-    assert rows[3][-1] == "3/4" and rows[1][6] == "5x"
+    assert rows[3][-1] == "3/4" and rows[1][7] == "5x"
     md = "\n".join(markdown_section(doc))
-    assert "| kvxfer | 4 | 8,192 | 524,288 | 30 ms | 20 ms | 1.5x | 0.0333x | 3/4 |" in md
+    assert (
+        "| kvxfer | 4 | 8,192 | 524,288 | 30 ms | 30 ms-30 ms (n=1) | 20 ms | 1.5x | 0.0333x | 3/4 |"
+        in md
+    )
     assert "(target <= 1.2x): **MISSED**" in md and "**NOT all**" in md
 
 
@@ -115,3 +118,40 @@ def test_preconnected_variant_has_its_own_targets_and_timeline() -> None:
     md = "\n".join(markdown_section(doc))
     assert "- kvxfer-pre first/warm at 8.0 GiB: 1.2x (target <= 1.2x): **met**" in md
     assert "- kvxfer first/warm at 8.0 GiB: 4x (target <= 1.2x): **MISSED**" in md
+
+
+def test_first_ttft_is_the_median_over_prefill_incarnations() -> None:
+    """Several first requests per pair (each to a new prefill): the median is reported, with
+    its range and its timeline; the gap must widen at every step up in size."""
+
+    def pair(conn: str, gib: float, firsts: list[float]) -> dict[str, Any]:
+        p = _pair(conn, gib, firsts[0], [0.05, 0.05])
+        for n, f in enumerate(firsts[1:], 1):
+            p["requests"].append({"first": True, "sample": n, "ttft_s": f, "tokens_equal": True,
+                                  "timeline_s": {"post_to_done": f / 10}})  # fmt: skip
+        return p
+
+    raw = {
+        "config": {**MODEL_SHAPE, "block_size": 32, "page_bytes_per_layer": 8192,
+                   "vllm": "0.32.0", "prompt_lengths": [200, 256, 131], "max_tokens": 8,
+                   "first_samples": 3},
+        "pairs": [
+            pair("nixl", 1.0, [0.60, 0.40, 0.50]), pair("kvxfer", 1.0, [0.30, 0.10, 0.20]),
+            pair("nixl", 2.0, [2.00, 0.45, 0.55]), pair("kvxfer", 2.0, [0.10, 0.30, 0.20]),
+            pair("nixl", 4.0, [0.90, 1.00, 0.95]), pair("kvxfer", 4.0, [0.20, 0.25, 0.15]),
+        ],
+    }  # fmt: skip
+    doc = analyse(raw)
+    kx = {r["kv_gib"]: r for r in doc["rows"] if r["connector"] == "kvxfer"}
+    assert kx[1.0]["first_ttft_s"] == 0.20 and kx[1.0]["first_ttfts_s"] == [0.30, 0.10, 0.20]
+    assert kx[1.0]["first_timeline_s"] == {"post_to_done": pytest.approx(0.02)}
+    assert kx[1.0]["first_over_warm"] == pytest.approx(4.0)
+    assert kx[1.0]["requests"] == 5  # 3 firsts + 2 warm, all compared
+    t = doc["targets"]  # medians: nixl 0.50, 0.55, 0.95; kvxfer 0.20, 0.20, 0.20
+    assert t["gaps_s"] == pytest.approx([0.30, 0.35, 0.75]) and t["gap_grows_with_size"]
+    assert t["gap_largest_over_smallest"] == pytest.approx(2.5)
+    raw["pairs"][3] = pair("kvxfer", 2.0, [0.30, 0.30, 0.30])  # gap 0.25 < 0.30: a dip
+    assert not analyse(raw)["targets"]["gap_grows_with_size"]
+    row = next(r for r in table_rows(doc) if r[:2] == ["nixl", "2"])
+    assert row[4:6] == ["550 ms", "450 ms-2 s (n=3)"]
+    assert "median over 3 first requests per pair" in "\n".join(markdown_section(doc))

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,8 @@ QUICK_SIZES = (1,)
 LOCK = "/tmp/kvxfer-vllm.lock"
 TARGET_FIRST_OVER_WARM = 1.2
 _ORDER = {"nixl": 0, "kvxfer": 1, "kvxfer-pre": 2}
-COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "warm TTFT",
-           "first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
+COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "first range",
+           "warm TTFT", "first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
 
 
 def vllm_python() -> str:
@@ -57,16 +58,19 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
             continue
         reqs = pair["requests"]
         warm = [r["ttft_s"] for r in reqs if not r["first"]]
+        firsts = [r for r in reqs if r["first"]]  # one per prefill incarnation
+        mid = sorted(firsts, key=lambda r: r["ttft_s"])[(len(firsts) - 1) // 2]
         blocks = pool_blocks(pair["kv_gib"], shape)
         rows.append({
             "connector": pair["connector"], "kv_gib": pair["kv_gib"], "num_blocks": blocks,
             "num_blocks_logged": pair.get("num_blocks_logged"),
             "nixl_descriptors_per_list": nixl_descriptors(blocks, shape),
-            "first_ttft_s": reqs[0]["ttft_s"], "warm_ttft_s": float(np.median(warm)),
-            "warm_ttfts_s": warm, "first_over_warm": reqs[0]["ttft_s"] / float(np.median(warm)),
+            "first_ttft_s": mid["ttft_s"], "first_ttfts_s": [r["ttft_s"] for r in firsts],
+            "warm_ttft_s": float(np.median(warm)),
+            "warm_ttfts_s": warm, "first_over_warm": mid["ttft_s"] / float(np.median(warm)),
             "tokens_equal": sum(r["tokens_equal"] for r in reqs), "requests": len(reqs),
-            "init_s": pair["init_s"], "first_timeline_s": reqs[0].get("timeline_s"),
-            "warm_timeline_s": _median_timeline([r.get("timeline_s") for r in reqs[1:]]),
+            "init_s": pair["init_s"], "first_timeline_s": mid.get("timeline_s"),
+            "warm_timeline_s": _median_timeline([r.get("timeline_s") for r in reqs if not r["first"]]),
             "peer_rows": pair.get("peer_rows"), "peer_descriptors": pair.get("peer_descriptors"),
         })  # fmt: skip
     nixl = {r["kv_gib"]: r for r in rows if r["connector"] == "nixl"}
@@ -91,7 +95,9 @@ def _targets(rows: list[dict[str, Any]], connector: str) -> dict[str, Any]:
     return {
         "evaluated": len(gaps) >= 2,
         "kvxfer_first_below_nixl_every_size": bool(gaps) and all(g > 0 for g in gaps),
-        "gap_grows_with_size": len(gaps) >= 2 and gaps[-1] > gaps[0],
+        # every step up in size widens the gap (first TTFTs are medians over samples)
+        "gap_grows_with_size": len(gaps) >= 2 and all(b > a for a, b in pairwise(gaps)),
+        "gap_largest_over_smallest": gaps[-1] / gaps[0] if len(gaps) >= 2 and gaps[0] else None,
         "gaps_s": gaps,
         "largest_kv_gib": largest["kv_gib"] if largest else None,
         "kvxfer_first_over_warm_largest": largest["first_over_warm"] if largest else None,
@@ -113,10 +119,14 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
     return [
         [r["connector"], f"{r['kv_gib']:g}", f"{r['num_blocks']:,}",
          f"{r['nixl_descriptors_per_list']:,}", fmt_seconds(r["first_ttft_s"]),
-         fmt_seconds(r["warm_ttft_s"]), fmt_ratio(r["first_over_warm"]),
+         _range(r.get("first_ttfts_s") or [r["first_ttft_s"]]), fmt_seconds(r["warm_ttft_s"]), fmt_ratio(r["first_over_warm"]),
          fmt_ratio(r["first_over_nixl_first"]), f"{r['tokens_equal']}/{r['requests']}"]
         for r in sorted(doc["rows"], key=lambda r: (r["kv_gib"], _ORDER.get(r["connector"], 9)))
     ]  # fmt: skip
+
+
+def _range(values: list[float]) -> str:
+    return f"{fmt_seconds(min(values))}-{fmt_seconds(max(values))} (n={len(values)})"
 
 
 def timeline_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -163,8 +173,11 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
         f"{c['head_dim']}, float32, block_size {c['block_size']}: "
         f"{c['page_bytes_per_layer'] // 1024} KiB per (layer, block). vLLM {c['vllm']} (CPU). "
         f"Prompts of {min(c['prompt_lengths'])}-{max(c['prompt_lengths'])} tokens, "
-        f"{c['max_tokens']} greedy tokens; request 0 is the first to the new prefill, "
-        f"warm = median of the other {len(c['prompt_lengths']) - 1}.",
+        f"{c['max_tokens']} greedy tokens. First TTFT: median over "
+        f"{c.get('first_samples', 1)} first requests per pair, each to a new prefill "
+        f"incarnation (the decode kept; range in the next column); warm = median of the "
+        f"{len(c['prompt_lengths']) - 1} requests after the first. The gap grows when every "
+        "step up in size widens it.",
         "",
         markdown_table(COLUMNS, table_rows(doc)),
         "",
@@ -227,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         lock = ["flock", args.lock] if args.lock else []  # "": the caller holds the lock
         cmd = [*lock, "timeout", str(args.timeout), py, "-m", "kvxfer.bench.vllm_driver",
                "--sizes", *map(str, sizes), "--prompts", str(3 if args.quick else args.prompts),
+               "--first-samples", str(1 if args.quick else args.first_samples),
                "--out", str(out), "--log-dir", args.log_dir]  # fmt: skip
         rc = subprocess.call(cmd, env=env)
         if rc != 0 or not out.exists():
@@ -268,6 +282,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--prompts", type=int, default=9, help="requests per pair: 1 first + warm (default 9)"
     )
+    p.add_argument(
+        "--first-samples", type=int, default=3,
+        help="first requests per pair, each to a new prefill incarnation (default 3)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write results and machine info as JSON")
     p.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib)")
     p.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs", help="vLLM instance logs")

@@ -12,7 +12,10 @@
    one local request on each (warms the forward pass, touches no connector); then per
    prompt a prefill request (``do_remote_decode``, 1 token) and a decode request with
    the returned ``kv_transfer_params``. Request 0 is the first to the new prefill peer;
-   the others are warm. Tokens are compared with the colocated run. Connectors:
+   the others are warm. Then the prefill is replaced ``first_samples - 1`` times (a new
+   instance, the decode kept) and one more first request goes to each new incarnation
+   (a fresh prompt of request 0's length: the decode's prefix cache cannot serve it).
+   Tokens are compared with the colocated run. Connectors:
    ``nixl`` (vLLM's NixlConnector), ``kvxfer`` (first contact on the first request) and
    ``kvxfer-pre`` (the decode's ``prefill_peers`` names the prefill: contacted at start).
 
@@ -99,7 +102,10 @@ def _timeline(req: dict[str, Any], prof: dict[str, Any] | None) -> dict[str, flo
 
 
 def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]],
-              ref: list[list[int]], max_tokens: int, log_dir: str) -> dict[str, Any]:  # fmt: skip
+              ref: list[list[int]], max_tokens: int, log_dir: str,
+              firsts: list[tuple[list[int], list[int]]]) -> dict[str, Any]:  # fmt: skip
+    """One decode and its prefill: request 0 first, then warm; then one first request to
+    each replacement prefill in ``firsts`` (prompt, colocated tokens)."""
     tag = f"{connector}-{kv_gib:g}g"
     kvxfer = connector in KVXFER_VARIANTS
     extra = {"kv_transfer_overrides": PROBE} if kvxfer else {}
@@ -116,10 +122,12 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
         sc_port = port + 1000
         p_extra = {"extra": {"side_channel_port": sc_port}}
         d_extra = {"extra": {"prefill_peers": [f"tcp://127.0.0.1:{sc_port}"]}}
-    p = Instance(
-        f"{tag}-prefill", cpus="0", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
-        **common, **p_extra,
-    )  # fmt: skip
+
+    def prefill(n: int) -> Instance:  # the kvxfer-pre one takes the same port each time
+        return Instance(f"{tag}-prefill{n or ''}", cpus="0",
+                        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}, **common, **p_extra)  # fmt: skip
+
+    p = prefill(0)
     d = Instance(
         f"{tag}-decode", cpus="1", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)},
         **common, **d_extra,
@@ -130,15 +138,25 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
         d.gen(warm_prompt, 2)  # the decode's forward pass is warm; no connector involved
         p.gen(warm_prompt, 1)
         reqs = []
-        for i, prompt in enumerate(prompts):
+
+        def one(prompt: list[int], want: list[int], first: bool, sample: int) -> None:
             pr = p.gen(prompt, 1, {"do_remote_decode": True}, timeout_s=120)
             dr = d.gen(prompt, max_tokens, pr["kv_transfer_params"], timeout_s=120)
             reqs.append({
-                "first": i == 0, "ttft_s": dr["ttft_s"], "t_add": dr["t_add"],
+                "first": first, "sample": sample, "ttft_s": dr["ttft_s"], "t_add": dr["t_add"],
                 "total_s": dr["total_s"], "prompt_len": len(prompt),
-                "num_cached_tokens": dr["num_cached_tokens"], "tokens_equal": dr["tokens"] == ref[i],
+                "num_cached_tokens": dr["num_cached_tokens"], "tokens_equal": dr["tokens"] == want,
                 "prefill_ttft_s": pr["ttft_s"],
             })  # fmt: skip
+
+        for i, prompt in enumerate(prompts):
+            one(prompt, ref[i], i == 0, 0)
+        for n, (prompt, want) in enumerate(firsts, 1):  # a new prefill peer each time
+            p.stop(60)
+            p = prefill(n)
+            init[f"prefill{n}"] = p.wait_ready(900)
+            p.gen(warm_prompt, 1)
+            one(prompt, want, True, n)
     finally:
         p.stop(60)
         d.stop(60)
@@ -157,23 +175,27 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
 
 
 def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str, log_dir: str,
-               connectors: list[str]) -> dict[str, Any]:  # fmt: skip
-    """Every (size, connector) pair, fresh instances each; the colocated reference first."""
+               connectors: list[str], first_samples: int = 1) -> dict[str, Any]:  # fmt: skip
+    """Every (size, connector) pair, fresh instances each; the colocated reference first.
+    ``first_samples``: first requests per pair (each to a new prefill incarnation)."""
     os.makedirs(log_dir, exist_ok=True)
     digest = build(model_dir, **MODEL_SHAPE)
     prompts = make_prompts(n_prompts, MODEL_SHAPE["vocab"], PROMPT_LENGTHS, seed=0)
+    more = make_prompts(first_samples - 1, MODEL_SHAPE["vocab"], PROMPT_LENGTHS[:1], seed=5)
     t0 = time.perf_counter()
     with Instance("colocated", model=model_dir, connector=None, cpus="0", kv_cache_gib=1,
                   log_dir=log_dir, block_size=BLOCK_SIZE, max_model_len=512,
                   max_num_seqs=4) as colo:  # fmt: skip
         colo.wait_ready(900)
         ref = [colo.gen(pr, max_tokens)["tokens"] for pr in prompts]
+        firsts = [(pr, colo.gen(pr, max_tokens)["tokens"]) for pr in more]
     pairs = []
     for kv_gib in sizes:
         for conn in connectors:
             print(f"vllm bench: {conn} at {kv_gib:g} GiB ...", file=sys.stderr, flush=True)
             try:
-                pairs.append(_one_pair(conn, kv_gib, model_dir, prompts, ref, max_tokens, log_dir))
+                pairs.append(_one_pair(conn, kv_gib, model_dir, prompts, ref, max_tokens, log_dir,
+                                       firsts))  # fmt: skip
             except Exception as e:  # one failed pair must not lose the others' figures
                 traceback.print_exc()
                 pairs.append({"connector": conn, "kv_gib": kv_gib, "error": repr(e)})
@@ -187,6 +209,7 @@ def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str
             "page_bytes_per_layer": page_bytes(),
             "prompt_lengths": [len(p) for p in prompts],
             "max_tokens": max_tokens,
+            "first_samples": first_samples,
             "sizes_gib": sizes,
             "weights_sha256": digest,
             "vllm": vllm.__version__,
@@ -204,9 +227,12 @@ def main() -> None:
     ap.add_argument("--connectors", nargs="+", default=["nixl", *KVXFER_VARIANTS])
     ap.add_argument("--model-dir", default="/tmp/kvxfer-vllm-bench-model")
     ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs")
+    ap.add_argument("--first-samples", type=int, default=1,
+                    help="first requests per pair, each to a new prefill (default 1)")  # fmt: skip
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    doc = run_driver(a.sizes, a.prompts, a.max_tokens, a.model_dir, a.log_dir, a.connectors)
+    doc = run_driver(a.sizes, a.prompts, a.max_tokens, a.model_dir, a.log_dir, a.connectors,
+                     a.first_samples)  # fmt: skip
     Path(a.out).write_text(json.dumps(doc))
 
 
