@@ -180,6 +180,7 @@ def test_preconnect_contacts_a_restarted_producer_again() -> None:
         time.sleep(1.5)  # the heartbeat drops the closed producer; nothing answers yet
         with Producer(pcfg, [(spec, bufs)]) as second:
             assert second.generation != first.generation
+
             def contacted() -> list[tuple[str, dict[int, int]]]:
                 return [(f.address, dict(f.generations)) for f in cons.stats().first_contacts]
 
