@@ -409,10 +409,14 @@ class Consumer(FirstContact):
             except KvxferError as e:
                 log.debug("release after failure: %s", e)
         t.xfers = []
-        if isinstance(t.peer.error, PeerLostError) and not isinstance(
-            error, PeerLostError | DeadlineError | ClosedError | CancelledError
-        ):
-            error = t.peer.error  # a heartbeat drop surfaced as a NIXL error: still PEER_LOST
+        if (
+            isinstance(t.peer.error, PeerLostError)
+            and error is not t.peer.error
+            and not t.keep_peer
+            and not isinstance(error, DeadlineError | ClosedError | CancelledError)
+        ):  # a heartbeat drop surfaced as a NIXL error or a stale handle: PEER_LOST, with
+            # the heartbeat's reason (why the peer was dropped), not the handle's
+            error = t.peer.error
         t.error = error
         t.finished_at = time.perf_counter()
         if isinstance(error, PeerLostError):
