@@ -44,8 +44,9 @@ from kvxfer.planning.tp import TpPlan, plan_tp
 if TYPE_CHECKING:
     from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
     from kvxfer.engine.consumer import Consumer
+    from kvxfer.engine.peer import PeerInfo
     from kvxfer.engine.producer import Producer
-    from kvxfer.engine.transfer import PeerInfo, Transfer
+    from kvxfer.engine.transfer import Transfer
 
 try:
     __version__ = version("kvxfer")  # single source: pyproject.toml's version
@@ -57,7 +58,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 _LAZY = {
     "Consumer": "kvxfer.engine.consumer",
     "EngineConfig": "kvxfer.engine.config",
-    "PeerInfo": "kvxfer.engine.transfer",
+    "PeerInfo": "kvxfer.engine.peer",
     "Producer": "kvxfer.engine.producer",
     "RequestState": "kvxfer.engine.config",
     "Transfer": "kvxfer.engine.transfer",

@@ -14,15 +14,16 @@ from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
 
 if TYPE_CHECKING:
     from kvxfer.engine.consumer import Consumer
+    from kvxfer.engine.peer import PeerInfo
     from kvxfer.engine.producer import Producer
-    from kvxfer.engine.transfer import PeerInfo, Transfer
+    from kvxfer.engine.transfer import Transfer
 
 _LAZY = {
     "Consumer": "kvxfer.engine.consumer",
     "EngineStats": "kvxfer.engine.stats",
-    "as_completed": "kvxfer.engine.transfer",
-    "wait_any": "kvxfer.engine.transfer",
-    "PeerInfo": "kvxfer.engine.transfer",
+    "as_completed": "kvxfer.engine.waiting",
+    "wait_any": "kvxfer.engine.waiting",
+    "PeerInfo": "kvxfer.engine.peer",
     "Producer": "kvxfer.engine.producer",
     "Transfer": "kvxfer.engine.transfer",
 }

@@ -20,10 +20,11 @@ from kvxfer.engine.config import U8, EngineConfig, RequestState, check_seconds
 from kvxfer.engine.contact import FirstContact
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
+from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
 from kvxfer.engine.relayout import relayout_bsr
 from kvxfer.engine.stats import EngineStats, StatsRecorder
-from kvxfer.engine.transfer import PeerInfo, Transfer, num_bytes
+from kvxfer.engine.transfer import Transfer, num_bytes
 from kvxfer.errors import (
     CancelledError,
     ClosedError,
@@ -48,7 +49,7 @@ from kvxfer.wire import (
     encode_msg,
 )
 
-__all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in transfer.py
+__all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in peer.py, transfer.py
 
 log = logging.getLogger(__name__)
 

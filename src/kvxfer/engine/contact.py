@@ -16,8 +16,9 @@ from typing import NoReturn
 
 from kvxfer.engine.config import EngineConfig, check_seconds
 from kvxfer.engine.liveness import PeerMonitor
+from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache
-from kvxfer.engine.transfer import PeerInfo, Transfer
+from kvxfer.engine.transfer import Transfer
 from kvxfer.errors import ClosedError, ConfigError, KvxferError, LayoutError, PeerLostError
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.transport.side_channel import fetch_records

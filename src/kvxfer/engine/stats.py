@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvxfer.engine.transfer import PeerInfo, Transfer
+    from kvxfer.engine.peer import PeerInfo
+    from kvxfer.engine.transfer import Transfer
 
 __all__ = ["LATENCY_BUCKETS_S", "EngineStats", "FirstContactStats", "StatsRecorder"]
 

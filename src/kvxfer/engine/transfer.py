@@ -1,13 +1,12 @@
-"""Handles of the consumer side: a contacted producer (:class:`PeerInfo`) and one
-request in flight (:class:`Transfer`)."""
+"""One request in flight on the consumer side (:class:`Transfer`); the producer it names
+is a :class:`~kvxfer.engine.peer.PeerInfo`."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,10 +15,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.engine.config import RequestState, check_seconds
+from kvxfer.engine.peer import PeerInfo
 from kvxfer.errors import KvxferError, WaitTimeout
 from kvxfer.planning.pairing import PeerPlan
 from kvxfer.planning.request import RequestIds
-from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp
+from kvxfer.transport.nixl import XferHandle, XferOp
 
 
 class RequestDriver(Protocol):
@@ -39,43 +39,7 @@ class RequestDriver(Protocol):
         ...
 
 
-__all__ = ["PeerInfo", "Transfer", "as_completed", "new_attempt", "num_bytes", "wait_any"]
-
-
-@dataclass(slots=True)
-class PeerInfo:
-    """A producer engine this consumer has contacted (or is contacting).
-
-    Thread-safety: written by its handshake thread until ``ready`` is set, read-only
-    afterwards (``error`` may be set once more by a heartbeat verdict).
-
-    Attributes:
-        address: the producer's side-channel endpoint.
-        generations: remote rank -> producer incarnation the prepared lists belong to.
-        timings_s: first-contact phases: fetch, add_agent, build, prepare, wire_up.
-        num_rows, num_descriptors: strided rows prepared vs descriptors they stand for.
-    """
-
-    address: str
-    ready: threading.Event = field(default_factory=threading.Event)
-    error: KvxferError | None = None
-    generations: dict[int, int] = field(default_factory=dict)  # remote rank -> generation
-    plans: dict[int, PeerPlan] = field(default_factory=dict)
-    lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
-    agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
-    timings_s: dict[str, float] = field(default_factory=dict)
-    num_rows: int = 0
-    num_descriptors: int = 0
-
-    @property
-    def generation(self) -> int:
-        """Generation of the lowest remote rank (of every rank for a one-process engine)."""
-        return self.generations[min(self.generations)] if self.generations else 0
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The side-channel endpoints in ``address`` (comma-separated, one per process)."""
-        return [a.strip() for a in self.address.split(",") if a.strip()]
+__all__ = ["Transfer", "new_attempt", "num_bytes"]
 
 
 def new_attempt() -> int:
@@ -201,36 +165,3 @@ def num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int32]) -> in
     src = next(s for s in plan.sources if s.rank == rank)
     starts = np.searchsorted(src.local_starts, local_ids, side="right") - 1  # row of each id
     return int(src.local_rows[starts, 1].sum())
-
-
-def as_completed(
-    transfers: Iterable[Transfer], timeout_s: float | None = None
-) -> Iterator[Transfer]:
-    """Yield each transfer as it ends (terminal state), in the order they end.
-
-    Stops after ``timeout_s`` (None: when all ended; each request's own deadline bounds
-    that). Raises ConfigError for a NaN, infinite or negative ``timeout_s``.
-    """
-    if timeout_s is not None:
-        check_seconds("timeout_s", timeout_s, allow_zero=True)
-    live = list(transfers)
-    until = None if timeout_s is None else time.monotonic() + timeout_s
-    pause = 0.0002
-    while live:
-        still = []
-        for t in live:
-            if t.poll().is_terminal:
-                yield t
-                pause = 0.0002
-            else:
-                still.append(t)
-        live = still
-        if not live or (until is not None and time.monotonic() >= until):
-            return
-        time.sleep(pause)
-        pause = min(pause * 2, 0.002)
-
-
-def wait_any(transfers: Iterable[Transfer], timeout_s: float | None = None) -> Transfer | None:
-    """The first of ``transfers`` to end, or None if none ended within ``timeout_s``."""
-    return next(as_completed(transfers, timeout_s), None)

@@ -1,0 +1,48 @@
+"""A producer engine as the consumer side knows it (:class:`PeerInfo`)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from kvxfer.errors import KvxferError
+from kvxfer.planning.pairing import PeerPlan
+from kvxfer.transport.nixl import PreparedList
+
+__all__ = ["PeerInfo"]
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    """A producer engine this consumer has contacted (or is contacting).
+
+    Thread-safety: written by its handshake thread until ``ready`` is set, read-only
+    afterwards (``error`` may be set once more by a heartbeat verdict).
+
+    Attributes:
+        address: the producer's side-channel endpoint.
+        generations: remote rank -> producer incarnation the prepared lists belong to.
+        timings_s: first-contact phases: fetch, add_agent, build, prepare, wire_up.
+        num_rows, num_descriptors: strided rows prepared vs descriptors they stand for.
+    """
+
+    address: str
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: KvxferError | None = None
+    generations: dict[int, int] = field(default_factory=dict)  # remote rank -> generation
+    plans: dict[int, PeerPlan] = field(default_factory=dict)
+    lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
+    agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
+    timings_s: dict[str, float] = field(default_factory=dict)
+    num_rows: int = 0
+    num_descriptors: int = 0
+
+    @property
+    def generation(self) -> int:
+        """Generation of the lowest remote rank (of every rank for a one-process engine)."""
+        return self.generations[min(self.generations)] if self.generations else 0
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The side-channel endpoints in ``address`` (comma-separated, one per process)."""
+        return [a.strip() for a in self.address.split(",") if a.strip()]
