@@ -8,62 +8,29 @@ flowing. Progress happens in :meth:`Transfer.poll` (or :meth:`Transfer.wait`).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import numpy.typing as npt
 
-from kvxfer.engine.config import U8, EngineConfig, RequestState, check_seconds
+from kvxfer.engine.config import U8, EngineConfig, check_seconds
 from kvxfer.engine.contact import FirstContact
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
-from kvxfer.engine.relayout import relayout_bsr
 from kvxfer.engine.stats import EngineStats, StatsRecorder
-from kvxfer.engine.transfer import Transfer, num_bytes
-from kvxfer.errors import (
-    CancelledError,
-    ClosedError,
-    ConfigError,
-    DeadlineError,
-    KvxferError,
-    LeaseExpiredError,
-    PeerLostError,
-    TransferError,
-)
+from kvxfer.engine.transfer import RequestContext, Transfer
+from kvxfer.errors import ClosedError, ConfigError, PeerLostError
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.planning.request import RequestIds, plan_request
 from kvxfer.transport.backend import BackendFactory
-from kvxfer.transport.nixl import XferOp, XferState
+from kvxfer.transport.nixl import XferOp
 from kvxfer.transport.side_channel import SideChannelServer
-from kvxfer.wire import (
-    Abort,
-    LeaseRenew,
-    PushRequest,
-    ReadDone,
-    encode_msg,
-)
 
 __all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in peer.py, transfer.py
-
-log = logging.getLogger(__name__)
-
-
-def _wire_ids(ids: npt.NDArray[np.int64]) -> tuple[int, ...]:
-    """Block ids as a PushRequest carries them."""
-    return tuple(int(i) for i in ids)
-
-
-def _pinned_ok(pin: int | Mapping[int, int], generations: Mapping[int, int]) -> bool:
-    """Whether the producer ranks still run the generation(s) a request was pinned to."""
-    if isinstance(pin, int):
-        return set(generations.values()) == {pin}
-    return all(generations.get(rank) == gen for rank, gen in pin.items())
 
 
 class Consumer(FirstContact):
@@ -113,6 +80,18 @@ class Consumer(FirstContact):
             self.close()
             raise
         self._inbox = Inbox(self.ranks)
+        self._context = RequestContext(
+            config=config,
+            ranks=self.ranks,
+            lock=self._engine_lock,
+            generation=self.generation,
+            address=lambda: self.address,
+            is_closed=lambda: self._closed,
+            push_status=self._inbox.status,
+            record=self._stats.record,
+            drop_peer=self._drop_peer,
+            recheck=self._recheck,
+        )  # what each Transfer's state machine needs from this engine
         self._monitor = PeerMonitor(
             self.compat_hash, config.heartbeat_s, self._on_peer_lost, auth_key=config.auth_key
         )
@@ -239,209 +218,11 @@ class Consumer(FirstContact):
             remote_state=remote_state_ids, num_cached_blocks=num_cached_blocks,
         )  # fmt: skip
         t = Transfer(
-            request_id, self, self._peer(address), deadline, ids, chosen, op,
+            request_id, self._context, self._peer(address), deadline, ids, chosen, op,
             generation=generation,
         )  # fmt: skip
         self._inbox.add(t)  # close() aborts it; push notices find it by attempt
         return t
-
-    def is_quarantined(self, t: Transfer) -> bool:
-        """See :attr:`Transfer.quarantined` (the design is on :class:`RequestState`)."""
-        if t.op is not XferOp.WRITE or not t.expected or t.state is RequestState.DONE:
-            return False
-        if not t.state.is_terminal:
-            return True
-        _, _, settled = self._inbox.status(t)
-        return not settled and time.monotonic() < t.quarantine_until
-
-    def cancel(self, t: Transfer) -> None:
-        """See :meth:`Transfer.cancel`."""
-        with self._engine_lock:
-            if not t.state.is_terminal:
-                self._fail(t, CancelledError(f"request {t.request_id!r} cancelled by the caller"))
-
-    def advance(self, t: Transfer) -> RequestState:
-        """Advance one request's state machine (what :meth:`Transfer.poll` calls)."""
-        if t.state.is_terminal:
-            return t.state
-        with self._engine_lock:
-            if self._closed:
-                self._fail(t, ClosedError(f"consumer closed: request {t.request_id!r} aborted"))
-                return t.state
-            return self._advance(t)
-
-    def _advance(self, t: Transfer) -> RequestState:
-        try:
-            if time.monotonic() >= t.deadline:
-                raise DeadlineError(f"request {t.request_id!r} passed its deadline")
-            if not t.posted_at:
-                if not t.peer.ready.is_set():
-                    return t.state
-                pinned_elsewhere = t.generation is not None and not _pinned_ok(
-                    t.generation, t.peer.generations
-                )
-                if t.peer.error is not None:
-                    if pinned_elsewhere and isinstance(t.peer.error, PeerLostError):
-                        # the incarnation that was lost is not the one this request is
-                        # pinned to (a heartbeat saw the restart first): contact it again
-                        self._recheck(t)
-                        return t.state
-                    raise t.peer.error
-                if pinned_elsewhere:
-                    self._recheck(t)  # raises, or re-handshakes a restarted producer
-                    return t.state
-                if t.lease_expires_at_ns is not None and time.time_ns() >= (
-                    t.lease_expires_at_ns - int(self.config.lease_margin_s * 1e9)
-                ):
-                    raise LeaseExpiredError(
-                        f"request {t.request_id!r}: the producer's lease ended; not read"
-                    )
-                self._post(t)
-            if t.op is XferOp.WRITE:
-                done, reason, _ = self._inbox.status(t)
-                if reason is not None:
-                    raise TransferError(f"producer failed to push {t.request_id!r}: {reason}")
-                if done:
-                    self._finish(t)
-                elif t.peer.error is not None:  # the heartbeat saw the producer die
-                    raise t.peer.error
-                return t.state
-            self._renew(t)
-            pending = []
-            for d, x in t.xfers:
-                if self.ranks[d].backend.poll(x) is XferState.IN_PROGRESS:
-                    pending.append((d, x))
-                else:
-                    x.release()
-            t.xfers = pending
-            if not pending:
-                self._finish(t)
-        except KvxferError as e:
-            self._fail(t, e)
-        return t.state
-
-    def _renew(self, t: Transfer, force: bool = False) -> None:
-        """Renew the producer's lease on a request still in flight (every heartbeat_s), to
-        cover what is left of the request's deadline."""
-        now = time.perf_counter()
-        if not force and now - max(t.posted_at, t.renewed_at) < self.config.heartbeat_s:
-            return
-        t.renewed_at = now
-        budget_ms = max(0, int((t.deadline - time.monotonic()) * 1000))
-        for rank, agent in t.peer.agents.items():
-            gen = t.peer.generations[rank]
-            msg = encode_msg(LeaseRenew((t.request_id,), gen, (t.attempt,), budget_ms))
-            for d in t.ranks:
-                self.ranks[d].backend.send_notif(agent, msg)
-
-    def _post(self, t: Transfer) -> None:
-        peer = t.peer
-        t.posted_at = time.perf_counter()
-        if t.op is XferOp.WRITE:
-            self._post_push(t)
-            return
-        self._renew(t, force=True)  # first: the producer's lease now covers the deadline
-        for d in t.ranks:
-            plan = peer.plans[d]
-            req = t.ids.plan(plan)
-            backend = self.ranks[d].backend
-            size = self.ranks[d].spec.tp_size
-            for ids in req.sources:
-                if ids.num_descriptors == 0:
-                    t.notify.append((d, ids.rank))
-                    continue
-                loc, rem = peer.lists[(d, ids.rank)]
-                gen = peer.generations[ids.rank]
-                msg = encode_msg(ReadDone(t.request_id, gen, d, size, t.attempt))
-                x = backend.make_xfer(XferOp.READ, loc, ids.local_ids, rem, ids.remote_ids, msg)
-                t.xfers.append((d, x))
-                t.num_descriptors += ids.num_descriptors
-                t.num_bytes += num_bytes(plan, ids.rank, ids.local_ids)
-                if backend.post(x) is XferState.DONE:
-                    pass  # polled (and released) below
-            t.notify.extend((d, r) for r in req.notify_only)
-
-    def _post_push(self, t: Transfer) -> None:
-        peer = t.peer
-        t.quarantine_until = t.deadline + self.config.lease_s
-        for d in t.ranks:
-            req = t.ids.plan(peer.plans[d])
-            ls, rs = t.ids.local_state, t.ids.remote_state  # None: the attention ids
-            backend = self.ranks[d].backend
-            for ids in req.sources:
-                msg = PushRequest(
-                    t.request_id, peer.generations[ids.rank], self.address, d,
-                    self.ranks[d].spec.tp_size,
-                    _wire_ids(t.ids.local), _wire_ids(t.ids.remote),
-                    local_state_ids=None if ls is None else _wire_ids(ls),
-                    remote_state_ids=None if rs is None else _wire_ids(rs),
-                    num_cached_blocks=int(t.ids.num_cached_blocks),
-                    attempt=t.attempt,
-                    budget_ms=max(0, int((t.deadline - time.monotonic()) * 1000)),
-                    sent_at_ns=time.time_ns(),
-                    consumer_generation=self.generation,
-                )  # fmt: skip
-                backend.send_notif(peer.agents[ids.rank], encode_msg(msg))
-                t.expected.add((d, ids.rank))
-                t.num_descriptors += ids.num_descriptors
-                t.num_bytes += num_bytes(peer.plans[d], ids.rank, ids.local_ids)
-            t.notify.extend((d, r) for r in req.notify_only)
-
-    def _finish(self, t: Transfer) -> None:
-        peer = t.peer
-        for d, r in t.notify:  # tell ranks that were not read (MLA, GQA dedup, empty) to free
-            size = self.ranks[d].spec.tp_size
-            done = ReadDone(t.request_id, peer.generations[r], d, size, t.attempt)
-            self.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
-        for d in t.ranks:
-            plan = t.peer.plans[d]
-            if plan.kernel_bsr > 1:
-                cached = int(t.ids.num_cached_blocks)
-                cache = self.ranks[d]
-                relayout_bsr(cache.spec, cache.bufs, t.ids.local[cached:], plan.kernel_bsr)
-        t.finished_at = time.perf_counter()
-        t.state = RequestState.DONE
-        self._stats.record(t)
-
-    def _fail(self, t: Transfer, error: KvxferError) -> None:
-        for _, x in t.xfers:
-            try:
-                x.release()  # cancels in-flight work; buffers stay registered
-            except KvxferError as e:
-                log.debug("release after failure: %s", e)
-        t.xfers = []
-        if (
-            isinstance(t.peer.error, PeerLostError)
-            and error is not t.peer.error
-            and not t.keep_peer
-            and not isinstance(error, DeadlineError | ClosedError | CancelledError)
-        ):  # a heartbeat drop surfaced as a NIXL error or a stale handle: PEER_LOST, with
-            # the heartbeat's reason (why the peer was dropped), not the handle's
-            error = t.peer.error
-        t.error = error
-        t.finished_at = time.perf_counter()
-        if isinstance(error, PeerLostError):
-            t.state = RequestState.PEER_LOST
-            self._stats.record(t)
-            if not t.keep_peer:
-                self._drop_peer(t.peer)
-            return
-        if isinstance(error, ClosedError | CancelledError):
-            t.state = RequestState.ABORTED
-        elif isinstance(error, DeadlineError):
-            t.state = RequestState.TIMEOUT
-        else:
-            t.state = RequestState.FAILED
-        self._stats.record(t)
-        if t.posted_at and t.peer.agents:  # tell every producer rank it may free the blocks
-            for rank, agent in t.peer.agents.items():
-                gen = t.peer.generations[rank]
-                msg = encode_msg(Abort(t.request_id, gen, t.state.value, t.attempt))
-                for d in t.ranks:
-                    try:
-                        self.ranks[d].backend.send_notif(agent, msg)
-                    except KvxferError as e:
-                        log.debug("abort notice to %s: %s", agent, e)
 
     def stats(self) -> EngineStats:
         """A snapshot: requests by end state, bytes, descriptors, latency histogram and
@@ -470,7 +251,7 @@ class Consumer(FirstContact):
             inbox = getattr(self, "_inbox", None)
             for t in inbox.live() if inbox is not None else []:
                 if not t.state.is_terminal:
-                    self._fail(t, ClosedError(f"consumer closed: request {t.request_id!r}"))
+                    t._fail(ClosedError(f"consumer closed: request {t.request_id!r}"))
             self._closed = True
             if inbox is not None:
                 inbox.close()

@@ -1,45 +1,74 @@
-"""One request in flight on the consumer side (:class:`Transfer`); the producer it names
-is a :class:`~kvxfer.engine.peer.PeerInfo`."""
+"""One request in flight on the consumer side: the :class:`Transfer` handle and its state
+machine (PENDING until first contact, post and completion; then one terminal state),
+driven through the narrow :class:`RequestContext` its consumer hands it. The producer it
+names is a :class:`~kvxfer.engine.peer.PeerInfo`."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.engine.config import RequestState, check_seconds
+from kvxfer.engine.config import EngineConfig, RequestState, check_seconds
 from kvxfer.engine.peer import PeerInfo
-from kvxfer.errors import KvxferError, WaitTimeout
+from kvxfer.engine.rank import RankCache
+from kvxfer.engine.relayout import relayout_bsr
+from kvxfer.errors import (
+    CancelledError,
+    ClosedError,
+    DeadlineError,
+    KvxferError,
+    LeaseExpiredError,
+    PeerLostError,
+    TransferError,
+    WaitTimeout,
+)
 from kvxfer.planning.pairing import PeerPlan
 from kvxfer.planning.request import RequestIds
-from kvxfer.transport.nixl import XferHandle, XferOp
+from kvxfer.transport.nixl import XferHandle, XferOp, XferState
+from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
+
+__all__ = ["RequestContext", "Transfer", "new_attempt", "num_bytes"]
+
+log = logging.getLogger(__name__)
 
 
-class RequestDriver(Protocol):
-    """What a :class:`Transfer` needs from the engine that owns it (a narrow context,
-    so requests do not import the consumer)."""
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What a :class:`Transfer`'s state machine needs from the consumer that owns it (a
+    narrow context, so requests do not import the consumer). One per consumer, shared
+    by all its transfers; every step of the machine runs under ``lock``."""
 
-    def advance(self, transfer: Transfer) -> RequestState:
-        """Advance ``transfer``'s state machine one step and return its state."""
-        ...
+    config: EngineConfig
+    ranks: Mapping[int, RankCache]  # the consumer's local ranks by TP rank
+    lock: threading.RLock  # the consumer's engine lock (NIXL calls + peer bookkeeping)
+    generation: int  # the consumer's incarnation (push requests name it)
+    address: Callable[[], str]  # its side-channel endpoint (producers fetch records there)
+    is_closed: Callable[[], bool]
+    push_status: Callable[[Transfer], tuple[bool, str | None, bool]]  # Inbox.status
+    record: Callable[[Transfer], None]  # count an ended request in the consumer's stats
+    drop_peer: Callable[[PeerInfo], None]  # forget a dead or restarted producer
+    recheck: Callable[[Transfer], None]  # refetch generations for a request pinned elsewhere
 
-    def cancel(self, transfer: Transfer) -> None:
-        """End ``transfer`` ABORTED (unless terminal) and tell its producer."""
-        ...
 
-    def is_quarantined(self, transfer: Transfer) -> bool:
-        """Whether a producer may still write into ``transfer``'s local blocks."""
-        ...
+def _wire_ids(ids: npt.NDArray[np.int64]) -> tuple[int, ...]:
+    """Block ids as a PushRequest carries them."""
+    return tuple(int(i) for i in ids)
 
 
-__all__ = ["Transfer", "new_attempt", "num_bytes"]
+def _pinned_ok(pin: int | Mapping[int, int], generations: Mapping[int, int]) -> bool:
+    """Whether the producer ranks still run the generation(s) a request was pinned to."""
+    if isinstance(pin, int):
+        return set(generations.values()) == {pin}
+    return all(generations.get(rank) == gen for rank, gen in pin.items())
 
 
 def new_attempt() -> int:
@@ -53,15 +82,17 @@ class Transfer:
     blocks forever.
 
     Thread-safety: one Transfer is driven by one caller thread at a time (poll, wait,
-    result, cancel); the consumer's notification thread only adds to ``written``,
-    ``settled`` and ``failed_reason`` under the consumer's inbox lock.
+    result, cancel); each step of its state machine (:meth:`poll`, :meth:`cancel`) runs
+    under the consumer's engine lock (``context.lock``); the consumer's notification
+    thread only adds to ``written``, ``settled`` and ``failed_reason`` under the
+    consumer's inbox lock.
 
     ``attempt`` is unique per read()/push() call and carried by every notification
     about it; a notice for another attempt of the same request id is dropped.
     """
 
     request_id: str
-    consumer: RequestDriver
+    context: RequestContext
     peer: PeerInfo
     deadline: float
     ids: RequestIds  # local/remote (and state) block ids, cached count; validated when posted
@@ -93,19 +124,35 @@ class Transfer:
     def quarantined(self) -> bool:
         """True while a producer may still write into this request's local blocks (a push
         that did not end DONE and whose producer has not confirmed cancellation yet):
-        do not reuse the blocks until it turns False. Always False for pull."""
-        return self.consumer.is_quarantined(self)
+        do not reuse the blocks until it turns False. Always False for pull (the design
+        is on :class:`RequestState`)."""
+        if self.op is not XferOp.WRITE or not self.expected or self.state is RequestState.DONE:
+            return False
+        if not self.state.is_terminal:
+            return True
+        _, _, settled = self.context.push_status(self)
+        return not settled and time.monotonic() < self.quarantine_until
 
     def cancel(self) -> RequestState:
         """Give up on the request: it ends ABORTED (unless already terminal) and the
         producer is told (it frees the blocks; a push stops writing, see
         :attr:`quarantined`). Returns the final state."""
-        self.consumer.cancel(self)
+        with self.context.lock:
+            if not self.state.is_terminal:
+                self._fail(CancelledError(f"request {self.request_id!r} cancelled by the caller"))
         return self.state
 
     def poll(self) -> RequestState:
-        """Advance the request and return its state (terminal states stay put)."""
-        return self.consumer.advance(self)
+        """Advance the request's state machine and return its state (terminal states stay
+        put)."""
+        if self.state.is_terminal:
+            return self.state
+        ctx = self.context
+        with ctx.lock:
+            if ctx.is_closed():
+                self._fail(ClosedError(f"consumer closed: request {self.request_id!r} aborted"))
+                return self.state
+            return self._step()
 
     def _wait_until(self, timeout_s: float | None) -> float:
         """When a wait of ``timeout_s`` ends (never past the request's own deadline)."""
@@ -158,6 +205,188 @@ class Transfer:
     @property
     def latency_s(self) -> float:
         return (self.finished_at or time.perf_counter()) - self.started_at
+
+    # -- the state machine (every step under the engine lock) ------------------------
+
+    def _step(self) -> RequestState:
+        """One step of the state machine (the engine lock held, the consumer open)."""
+        ctx = self.context
+        try:
+            if time.monotonic() >= self.deadline:
+                raise DeadlineError(f"request {self.request_id!r} passed its deadline")
+            if not self.posted_at:
+                if not self.peer.ready.is_set():
+                    return self.state
+                pinned_elsewhere = self.generation is not None and not _pinned_ok(
+                    self.generation, self.peer.generations
+                )
+                if self.peer.error is not None:
+                    if pinned_elsewhere and isinstance(self.peer.error, PeerLostError):
+                        # the incarnation that was lost is not the one this request is
+                        # pinned to (a heartbeat saw the restart first): contact it again
+                        ctx.recheck(self)
+                        return self.state
+                    raise self.peer.error
+                if pinned_elsewhere:
+                    ctx.recheck(self)  # raises, or re-handshakes a restarted producer
+                    return self.state
+                if self.lease_expires_at_ns is not None and time.time_ns() >= (
+                    self.lease_expires_at_ns - int(ctx.config.lease_margin_s * 1e9)
+                ):
+                    raise LeaseExpiredError(
+                        f"request {self.request_id!r}: the producer's lease ended; not read"
+                    )
+                self._post()
+            if self.op is XferOp.WRITE:
+                done, reason, _ = ctx.push_status(self)
+                if reason is not None:
+                    raise TransferError(f"producer failed to push {self.request_id!r}: {reason}")
+                if done:
+                    self._finish()
+                elif self.peer.error is not None:  # the heartbeat saw the producer die
+                    raise self.peer.error
+                return self.state
+            self._renew()
+            pending = []
+            for d, x in self.xfers:
+                if ctx.ranks[d].backend.poll(x) is XferState.IN_PROGRESS:
+                    pending.append((d, x))
+                else:
+                    x.release()
+            self.xfers = pending
+            if not pending:
+                self._finish()
+        except KvxferError as e:
+            self._fail(e)
+        return self.state
+
+    def _renew(self, force: bool = False) -> None:
+        """Renew the producer's lease on a request still in flight (every heartbeat_s), to
+        cover what is left of the request's deadline."""
+        ctx = self.context
+        now = time.perf_counter()
+        if not force and now - max(self.posted_at, self.renewed_at) < ctx.config.heartbeat_s:
+            return
+        self.renewed_at = now
+        budget_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
+        for rank, agent in self.peer.agents.items():
+            gen = self.peer.generations[rank]
+            msg = encode_msg(LeaseRenew((self.request_id,), gen, (self.attempt,), budget_ms))
+            for d in self.ranks:
+                ctx.ranks[d].backend.send_notif(agent, msg)
+
+    def _post(self) -> None:
+        ctx = self.context
+        peer = self.peer
+        self.posted_at = time.perf_counter()
+        if self.op is XferOp.WRITE:
+            self._post_push()
+            return
+        self._renew(force=True)  # first: the producer's lease now covers the deadline
+        for d in self.ranks:
+            plan = peer.plans[d]
+            req = self.ids.plan(plan)
+            backend = ctx.ranks[d].backend
+            size = ctx.ranks[d].spec.tp_size
+            for ids in req.sources:
+                if ids.num_descriptors == 0:
+                    self.notify.append((d, ids.rank))
+                    continue
+                loc, rem = peer.lists[(d, ids.rank)]
+                gen = peer.generations[ids.rank]
+                msg = encode_msg(ReadDone(self.request_id, gen, d, size, self.attempt))
+                x = backend.make_xfer(XferOp.READ, loc, ids.local_ids, rem, ids.remote_ids, msg)
+                self.xfers.append((d, x))
+                self.num_descriptors += ids.num_descriptors
+                self.num_bytes += num_bytes(plan, ids.rank, ids.local_ids)
+                if backend.post(x) is XferState.DONE:
+                    pass  # polled (and released) below
+            self.notify.extend((d, r) for r in req.notify_only)
+
+    def _post_push(self) -> None:
+        ctx = self.context
+        peer = self.peer
+        self.quarantine_until = self.deadline + ctx.config.lease_s
+        for d in self.ranks:
+            req = self.ids.plan(peer.plans[d])
+            ls, rs = self.ids.local_state, self.ids.remote_state  # None: the attention ids
+            backend = ctx.ranks[d].backend
+            for ids in req.sources:
+                msg = PushRequest(
+                    self.request_id, peer.generations[ids.rank], ctx.address(), d,
+                    ctx.ranks[d].spec.tp_size,
+                    _wire_ids(self.ids.local), _wire_ids(self.ids.remote),
+                    local_state_ids=None if ls is None else _wire_ids(ls),
+                    remote_state_ids=None if rs is None else _wire_ids(rs),
+                    num_cached_blocks=int(self.ids.num_cached_blocks),
+                    attempt=self.attempt,
+                    budget_ms=max(0, int((self.deadline - time.monotonic()) * 1000)),
+                    sent_at_ns=time.time_ns(),
+                    consumer_generation=ctx.generation,
+                )  # fmt: skip
+                backend.send_notif(peer.agents[ids.rank], encode_msg(msg))
+                self.expected.add((d, ids.rank))
+                self.num_descriptors += ids.num_descriptors
+                self.num_bytes += num_bytes(peer.plans[d], ids.rank, ids.local_ids)
+            self.notify.extend((d, r) for r in req.notify_only)
+
+    def _finish(self) -> None:
+        ctx = self.context
+        peer = self.peer
+        for d, r in self.notify:  # tell ranks that were not read (MLA, GQA dedup, empty) to free
+            size = ctx.ranks[d].spec.tp_size
+            done = ReadDone(self.request_id, peer.generations[r], d, size, self.attempt)
+            ctx.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
+        for d in self.ranks:
+            plan = self.peer.plans[d]
+            if plan.kernel_bsr > 1:
+                cached = int(self.ids.num_cached_blocks)
+                cache = ctx.ranks[d]
+                relayout_bsr(cache.spec, cache.bufs, self.ids.local[cached:], plan.kernel_bsr)
+        self.finished_at = time.perf_counter()
+        self.state = RequestState.DONE
+        ctx.record(self)
+
+    def _fail(self, error: KvxferError) -> None:
+        ctx = self.context
+        for _, x in self.xfers:
+            try:
+                x.release()  # cancels in-flight work; buffers stay registered
+            except KvxferError as e:
+                log.debug("release after failure: %s", e)
+        self.xfers = []
+        if (
+            isinstance(self.peer.error, PeerLostError)
+            and error is not self.peer.error
+            and not self.keep_peer
+            and not isinstance(error, DeadlineError | ClosedError | CancelledError)
+        ):  # a heartbeat drop surfaced as a NIXL error or a stale handle: PEER_LOST, with
+            # the heartbeat's reason (why the peer was dropped), not the handle's
+            error = self.peer.error
+        self.error = error
+        self.finished_at = time.perf_counter()
+        if isinstance(error, PeerLostError):
+            self.state = RequestState.PEER_LOST
+            ctx.record(self)
+            if not self.keep_peer:
+                ctx.drop_peer(self.peer)
+            return
+        if isinstance(error, ClosedError | CancelledError):
+            self.state = RequestState.ABORTED
+        elif isinstance(error, DeadlineError):
+            self.state = RequestState.TIMEOUT
+        else:
+            self.state = RequestState.FAILED
+        ctx.record(self)
+        if self.posted_at and self.peer.agents:  # tell every producer rank it may free the blocks
+            for rank, agent in self.peer.agents.items():
+                gen = self.peer.generations[rank]
+                msg = encode_msg(Abort(self.request_id, gen, self.state.value, self.attempt))
+                for d in self.ranks:
+                    try:
+                        ctx.ranks[d].backend.send_notif(agent, msg)
+                    except KvxferError as e:
+                        log.debug("abort notice to %s: %s", agent, e)
 
 
 def num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int32]) -> int:
