@@ -22,6 +22,7 @@ from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
 from kvxfer.engine.stats import EngineStats, StatsRecorder
 from kvxfer.engine.transfer import RequestContext, Transfer
+from kvxfer.engine.waiting import Progress
 from kvxfer.errors import ClosedError, ConfigError, PeerLostError
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.planning.pairing import pair_layouts
@@ -80,6 +81,7 @@ class Consumer(FirstContact):
             self.close()
             raise
         self._inbox = Inbox(self.ranks)
+        self._progress = Progress()  # drives the requests someone waits on
         self._context = RequestContext(
             config=config,
             ranks=self.ranks,
@@ -91,6 +93,7 @@ class Consumer(FirstContact):
             record=self._stats.record,
             drop_peer=self._drop_peer,
             recheck=self._recheck,
+            watch=self._progress.watch,
         )  # what each Transfer's state machine needs from this engine
         self._monitor = PeerMonitor(
             self.compat_hash, config.heartbeat_s, self._on_peer_lost, auth_key=config.auth_key
@@ -253,6 +256,11 @@ class Consumer(FirstContact):
                 if not t.state.is_terminal:
                     t._fail(ClosedError(f"consumer closed: request {t.request_id!r}"))
             self._closed = True
+        progress = getattr(self, "_progress", None)
+        if progress is not None:  # outside the lock: its sweep may be waiting for it
+            progress.close()
+        with lock:
+            inbox = getattr(self, "_inbox", None)
             if inbox is not None:
                 inbox.close()
             self._close_resources()

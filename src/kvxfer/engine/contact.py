@@ -19,6 +19,7 @@ from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache
 from kvxfer.engine.transfer import Transfer
+from kvxfer.engine.waiting import Progress
 from kvxfer.errors import ClosedError, ConfigError, KvxferError, LayoutError, PeerLostError
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.transport.side_channel import fetch_records
@@ -41,6 +42,7 @@ class FirstContact:
     _peers: dict[str, PeerInfo]
     _watched: dict[str, tuple[float, float]]  # preconnect addresses (under _lock)
     _monitor: PeerMonitor
+    _progress: Progress
 
     def connect(self, address: str, timeout_s: float | None = None) -> PeerInfo:
         """Contact ``address`` now (blocking) unless already known; raise its error if it failed."""
@@ -190,6 +192,7 @@ class FirstContact:
             self._contact_failed(peer, err)
         finally:
             peer.ready.set()
+            self._progress.kick()  # requests waiting on this contact can post now
 
     def _contact_failed(self, peer: PeerInfo, error: KvxferError) -> None:
         peer.error = error

@@ -6,6 +6,7 @@ names is a :class:`~kvxfer.engine.peer.PeerInfo`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import threading
@@ -39,6 +40,7 @@ from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
 __all__ = ["RequestContext", "Transfer", "new_attempt", "num_bytes"]
 
 log = logging.getLogger(__name__)
+_DEADLINE_SLACK_S = 0.05  # a waiter without its own timeout wakes this long past the deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,7 @@ class RequestContext:
     record: Callable[[Transfer], None]  # count an ended request in the consumer's stats
     drop_peer: Callable[[PeerInfo], None]  # forget a dead or restarted producer
     recheck: Callable[[Transfer], None]  # refetch generations for a request pinned elsewhere
+    watch: Callable[[Transfer], None]  # the progress thread drives it until it ends
 
 
 def _wire_ids(ids: npt.NDArray[np.int64]) -> tuple[int, ...]:
@@ -119,6 +122,35 @@ class Transfer:
     failed_reason: str | None = None  # push: the producer's Failed notice
     lease_expires_at_ns: int | None = None  # pull: the producer's lease end (its wall clock)
     quarantine_until: float = 0.0  # push: monotonic bound of the quarantine (see RequestState)
+    _ended: threading.Event = field(default_factory=threading.Event, repr=False)
+    _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def on_end(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` (from whichever thread ends the request, under the engine
+        lock: keep it short) once the request is terminal; at once if it already is.
+        Returns a function that unregisters it."""
+        with self.context.lock:
+            if self.state.is_terminal:
+                callback()
+                return lambda: None
+            self._on_end.append(callback)
+
+        def remove() -> None:
+            with self.context.lock:
+                if callback in self._on_end:
+                    self._on_end.remove(callback)
+
+        return remove
+
+    def _ended_now(self) -> None:
+        """The request just became terminal (under the lock): wake whoever waits."""
+        self._ended.set()
+        callbacks, self._on_end = self._on_end, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception as e:  # a waiter's callback never breaks the state machine
+                log.warning("request %r: end callback failed: %s", self.request_id, e)
 
     @property
     def quarantined(self) -> bool:
@@ -162,20 +194,21 @@ class Transfer:
         return min(self.deadline, time.monotonic() + timeout_s)
 
     def wait(self, timeout_s: float | None = None) -> RequestState:
-        """Poll until terminal or ``timeout_s`` (the request's own deadline always applies).
+        """Block until terminal or ``timeout_s`` (the request's own deadline always
+        applies). Sleeps on the request's end: after one step here (which may post it),
+        the consumer's progress thread drives the request.
 
         Raises:
-            LayoutError (a ValueError): ``timeout_s`` is NaN, infinite or negative.
+            ConfigError (a ValueError): ``timeout_s`` is NaN, infinite or negative.
         """
         until = self._wait_until(timeout_s)
-        while not self.poll().is_terminal:
-            now = time.monotonic()
-            if now >= until and timeout_s is not None:
-                break
-            if not self.posted_at:  # first contact runs in another thread: sleep, do not spin
-                self.peer.ready.wait(max(0.0, until - now) + 0.001)
-            else:
-                time.sleep(0.0002)
+        if self.poll().is_terminal:
+            return self.state
+        self.context.watch(self)
+        # past the deadline the progress thread ends it TIMEOUT; the slack covers its sweep
+        slack = 0.0 if timeout_s is not None else _DEADLINE_SLACK_S
+        if not self._ended.wait(max(0.0, until - time.monotonic()) + slack):
+            return self.poll()  # the caller's time is up (or the sweep was late: step now)
         return self.state
 
     def result(self, timeout_s: float | None = None) -> None:
@@ -193,13 +226,31 @@ class Transfer:
         raise WaitTimeout(f"request {self.request_id!r} still {state.value} after {timeout_s} s")
 
     async def wait_async(self, timeout_s: float | None = None) -> RequestState:
-        """:meth:`wait` for asyncio code: yields to the event loop between polls (first
-        contact and the transfer run in other threads), never blocks it."""
+        """:meth:`wait` for asyncio code: awaits the request's end (the consumer's progress
+        thread drives it and wakes this loop), never blocks the event loop."""
         until = self._wait_until(timeout_s)
-        pause = 0.0002
-        while not self.poll().is_terminal and (timeout_s is None or time.monotonic() < until):
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.005)  # back off: a long first contact costs no CPU
+        if self.poll().is_terminal:
+            return self.state
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def wake() -> None:  # from the thread that ended the request
+            def settle() -> None:
+                if not ended.done():
+                    ended.set_result(None)
+
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(settle)
+
+        remove = self.on_end(wake)
+        self.context.watch(self)
+        slack = 0.0 if timeout_s is not None else _DEADLINE_SLACK_S
+        try:
+            await asyncio.wait_for(ended, max(0.0, until - time.monotonic()) + slack)
+        except TimeoutError:
+            return self.poll()
+        finally:
+            remove()
         return self.state
 
     @property
@@ -346,6 +397,7 @@ class Transfer:
         self.finished_at = time.perf_counter()
         self.state = RequestState.DONE
         ctx.record(self)
+        self._ended_now()
 
     def _fail(self, error: KvxferError) -> None:
         ctx = self.context
@@ -370,6 +422,7 @@ class Transfer:
             ctx.record(self)
             if not self.keep_peer:
                 ctx.drop_peer(self.peer)
+            self._ended_now()
             return
         if isinstance(error, ClosedError | CancelledError):
             self.state = RequestState.ABORTED
@@ -387,6 +440,7 @@ class Transfer:
                         ctx.ranks[d].backend.send_notif(agent, msg)
                     except KvxferError as e:
                         log.debug("abort notice to %s: %s", agent, e)
+        self._ended_now()
 
 
 def num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int32]) -> int:
