@@ -3,21 +3,28 @@ handshake records an engine serves."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvxfer.engine.config import U8, EngineConfig
-from kvxfer.errors import LayoutError
-from kvxfer.layout.model import CacheLayout
+from kvxfer.errors import KvxferError, LayoutError
+from kvxfer.layout.model import CacheLayout, MemKind
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.backend import BackendFactory, TransferBackend
-from kvxfer.transport.nixl import NixlBackend
+from kvxfer.transport.nixl import NixlBackend, XferOp, XferState
 from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import encode_record, record_from_layout
 
 __all__ = ["RankCache", "encode_records", "new_generation", "serve_records"]
+
+log = logging.getLogger(__name__)
+WARM_UP_BYTES = 64
 
 
 class RankCache:
@@ -66,6 +73,51 @@ class RankCache:
     @property
     def rank(self) -> int:
         return self.spec.tp_rank
+
+    def warm_up_transport(self, config: EngineConfig) -> None:
+        """Pay the transport's one-time costs now instead of in the first request.
+
+        UCX sets an agent up lazily on its first peer and first transfer (measured: a
+        consumer's first ``add_remote`` 18 ms and its first notification 5 ms, vs 3.5 ms
+        and 0.1 ms for its next peers). Against a throwaway loopback agent this adds it,
+        WRITEs ``WARM_UP_BYTES`` of our own first region into its scratch buffer (our
+        memory is only read), sends it one notification and removes it. A failure
+        only costs the first request that time again: logged, never raised. A backend
+        other than NIXL (e.g. the in-memory one) has nothing to warm.
+        """
+        if not isinstance(self.backend, NixlBackend):
+            return
+        region = self.layout.regions[0]
+        if region.mem_kind is not MemKind.DRAM or region.num_bytes < WARM_UP_BYTES:
+            return
+        t0 = time.perf_counter()
+        scratch = np.zeros(WARM_UP_BYTES, np.uint8)
+        probe = NixlBackend(f"{self.backend.name}-warm-up", thread_safe=True,
+                            backend_params=dict(config.backend_params))  # fmt: skip
+        try:
+            probe.register([(scratch.ctypes.data, scratch.nbytes, 0)])
+            name = self.backend.add_remote(probe.metadata())
+            try:
+                row = [[region.base_addr, WARM_UP_BYTES, region.device_id]]
+                local = self.backend.prepare(np.array(row, np.uint64), strided=False)
+                row = [[scratch.ctypes.data, WARM_UP_BYTES, 0]]
+                remote = self.backend.prepare(np.array(row, np.uint64), name, strided=False)
+                one = np.zeros(1, np.int64)
+                x = self.backend.make_xfer(XferOp.WRITE, local, one, remote, one)
+                state, end = self.backend.post(x), time.monotonic() + 2.0
+                while state is XferState.IN_PROGRESS and time.monotonic() < end:
+                    time.sleep(0.0002)
+                    state = self.backend.poll(x)
+                self.backend.release(x)
+                self.backend.send_notif(name, b"kvxfer warm-up")
+            finally:
+                self.backend.remove_remote(name)  # releases the lists made for it
+        except KvxferError as e:
+            log.debug("%s: transport warm-up skipped: %s", self.backend.name, e)
+        finally:
+            probe.close()
+        log.debug("%s: transport warmed up in %.1f ms", self.backend.name,
+                  (time.perf_counter() - t0) * 1e3)  # fmt: skip
 
     def close(self) -> None:
         self.backend.close()
