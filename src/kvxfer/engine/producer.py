@@ -93,6 +93,25 @@ class Producer:
             raise
         self._thread = threading.Thread(target=self._run, name="kvxfer-producer", daemon=True)
         self._thread.start()
+        self.warmed_up = threading.Event()  # set when the background warm-up has ended
+        blobs = [(r, r.backend.metadata()) for r in self.ranks]
+        self._warm = threading.Thread(
+            target=self._warm_up, args=(blobs,), name="kvxfer-warm-up", daemon=True
+        )
+        self._warm.start()
+
+    def _warm_up(self, blobs: list[tuple[RankCache, bytes]]) -> None:
+        """Pay each rank's first-incoming-peer cost (:meth:`RankCache.warm_up_incoming`)
+        in the background; owns nothing of the producer's but the ``warmed_up`` event."""
+        try:
+            for rank, blob in blobs:
+                if self._stop.is_set():
+                    return
+                rank.warm_up_incoming(self.config, blob)
+        except Exception as e:  # a warm-up never takes the producer down
+            log.warning("producer warm-up failed: %r", e)
+        finally:
+            self.warmed_up.set()
 
     @property
     def address(self) -> str:
@@ -259,9 +278,9 @@ class Producer:
     def close(self) -> None:
         """Stop serving, release agents and deregister memory. Idempotent."""
         self._stop.set()
-        t = getattr(self, "_thread", None)
-        if t is not None:
-            t.join()
+        for t in (getattr(self, "_thread", None), getattr(self, "_warm", None)):
+            if t is not None:
+                t.join()
         pusher = getattr(self, "_pusher", None)
         if pusher is not None:
             pusher.close()
