@@ -33,7 +33,16 @@ from kvxfer.errors import (
     TransferError,
     WaitTimeout,
 )
-from kvxfer.layout.model import CacheLayout, MemKind, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer.layout.model import (
+    CacheLayout,
+    DeviceBuffer,
+    MemKind,
+    Region,
+    Shard,
+    TokenLayout,
+    View,
+    ViewKind,
+)
 from kvxfer.layout.presets import PRESETS, spec_for
 from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, row_starts
@@ -83,6 +92,7 @@ __all__ = [
     "ConfigError",
     "Consumer",
     "DeadlineError",
+    "DeviceBuffer",
     "EngineConfig",
     "IncompatibleError",
     "InputError",

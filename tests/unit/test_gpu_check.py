@@ -46,3 +46,17 @@ def test_two_process_harness_verifies_every_byte(capsys: pytest.CaptureFixture[s
     case, mib, descs, gbs, verified = lines[1].split()
     assert (case, mib, descs, verified) == ("dram->dram", "4", "16", "all")
     assert float(gbs) > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None, reason="no NIXL")
+def test_engine_case_moves_a_request_between_engine_processes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The engine cases run a Producer in a spawned process and a Consumer here over
+    buffers of the case's kind (VRAM given as DeviceBuffers); run here on DRAM."""
+    assert main(["--cases", "engine:dram->dram", "--repeat", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    case, mib, descs, gbs, verified = lines[1].split()
+    assert (case, verified) == ("engine:dram->dram", "all")
+    assert int(descs) > 0 and float(mib) > 0 and float(gbs) > 0

@@ -107,3 +107,41 @@ def test_backend_names() -> None:
     assert backend_kind("FLASHMLA") == "MLA"
     with pytest.raises(LayoutError, match="XFORMERS"):
         backend_kind("XFORMERS")
+
+
+class _OnGpu:
+    """A CPU tensor that reports ``cuda:<index>`` as its device. No CUDA on this
+    machine: this checks only what the constructor reads (device, pointers, shapes,
+    strides); moving the memory is ``scripts/gpu-check.sh``'s job on a GPU."""
+
+    def __init__(self, t: torch.Tensor, index: int) -> None:
+        self._t, self.device = t, torch.device("cuda", index)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._t, name)
+
+
+def test_cuda_tensors_become_vram_device_buffers_with_the_same_addresses() -> None:
+    from kvxfer.layout.model import DeviceBuffer, MemKind
+
+    host = [torch.zeros(2, NB, T, H, D) for _ in range(2)]
+    spec, bufs = spec_from_vllm_tensors([_OnGpu(t, 3) for t in host], backend="FLASH_ATTN",
+                                        block_size=T, num_kv_heads=H)  # fmt: skip
+    half = NB * T * H * D * E
+    assert bufs == [
+        DeviceBuffer(host[0].data_ptr(), half, 3, MemKind.VRAM),
+        DeviceBuffer(host[0].data_ptr() + half, half, 3, MemKind.VRAM),
+        DeviceBuffer(host[1].data_ptr(), half, 3, MemKind.VRAM),
+        DeviceBuffer(host[1].data_ptr() + half, half, 3, MemKind.VRAM),
+    ]
+    layout = spec.build([b.addr for b in bufs], device_id=3, mem_kind=MemKind.VRAM)
+    assert {(r.mem_kind, r.device_id) for r in layout.regions} == {(MemKind.VRAM, 3)}
+
+
+def test_tensors_on_other_devices_or_mixed_devices_are_refused() -> None:
+    with pytest.raises(LayoutError, match="meta"):
+        spec_from_vllm_tensors([torch.zeros(NB, H, T, 2 * D, device="meta")],
+                               backend="CPU_ATTN", block_size=T, num_kv_heads=H)  # fmt: skip
+    mixed = [torch.zeros(NB, H, T, 2 * D), _OnGpu(torch.zeros(NB, H, T, 2 * D), 0)]
+    with pytest.raises(LayoutError, match=r"layer 1.*cuda:0"):
+        spec_from_vllm_tensors(mixed, backend="CPU_ATTN", block_size=T, num_kv_heads=H)

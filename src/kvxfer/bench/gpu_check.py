@@ -7,6 +7,12 @@ READs the target's in ``chunk``-sized descriptors ``repeat`` times, verifies eve
 and prints the median GB/s. GPU memory comes from the CUDA driver API through ctypes
 (``libcuda.so.1``, part of the NVIDIA driver): no torch, no CUDA toolkit. Where there is
 no driver or no GPU, a case that needs VRAM is reported as not run (exit 0).
+
+Engine cases (``engine:vram->vram``, ``engine:dram->dram``): the same through kvxfer's
+engines: a :class:`~kvxfer.engine.Producer` in the spawned process over a ``tiny-gqa``
+cache of the source kind (VRAM as :class:`~kvxfer.layout.model.DeviceBuffer`), a
+:class:`~kvxfer.engine.Consumer` here over the destination kind, one pull request of
+``ENGINE_BLOCKS`` blocks per repeat, every byte checked against the pattern oracle.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ CASES = {
     "dram->vram": (MemKind.DRAM, MemKind.VRAM),
     "vram->dram": (MemKind.VRAM, MemKind.DRAM),
     "dram->dram": (MemKind.DRAM, MemKind.DRAM),
+    "engine:vram->vram": (MemKind.VRAM, MemKind.VRAM),
+    "engine:dram->dram": (MemKind.DRAM, MemKind.DRAM),
 }
+ENGINE_BLOCKS = 256  # blocks per request in the engine cases (of 2 * ENGINE_BLOCKS)
 
 
 class Cuda:
@@ -189,9 +198,88 @@ def run_case(name: str, nbytes: int, chunk: int, repeat: int, devices: tuple[int
     return {"case": name, "bytes": nbytes, "descriptors": n, "gb_s": nbytes / statistics.median(times) / 1e9, "mismatches": bad}  # fmt: skip
 
 
+def _engine_buffers(bufs: list[_Buffer]) -> list[Any]:
+    """What the engines take: the host array for DRAM, a DeviceBuffer for VRAM."""
+    from kvxfer.layout.model import DeviceBuffer
+
+    return [
+        b.host if b.kind is MemKind.DRAM else DeviceBuffer(b.ptr, b.nbytes, b.dev, b.kind)
+        for b in bufs
+    ]
+
+
+def _engine_spec() -> Any:
+    from kvxfer.layout.presets import spec_for
+
+    return spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=2 * ENGINE_BLOCKS)
+
+
+def _engine_ids(attempt: int) -> tuple[np.ndarray, np.ndarray]:
+    """Local and remote block ids of request ``attempt``: remote reversed, local shifted."""
+    rids = np.arange(ENGINE_BLOCKS)[::-1] + attempt % 2
+    return np.arange(ENGINE_BLOCKS) + (attempt + 1) % 2 * ENGINE_BLOCKS // 2, rids
+
+
+def _engine_target(conn: Connection, kind: str, device: int, repeat: int) -> None:
+    """The producer process: pattern-filled cache of ``kind``, held for each request."""
+    from kvxfer.engine import EngineConfig, Producer, allocate_cache
+    from kvxfer.testing.pattern import fill
+
+    spec = _engine_spec()
+    host = allocate_cache(spec)
+    fill(spec, host)
+    bufs = [_Buffer(MemKind(kind), h.nbytes, device) for h in host]
+    for b, h in zip(bufs, host, strict=True):
+        b.write(h)
+    config = EngineConfig("gpu-check-p", model_name="tiny-gqa")
+    with Producer(config, [(spec, _engine_buffers(bufs))]) as prod:
+        for i in range(repeat):
+            prod.hold(f"r{i}", block_ids=_engine_ids(i)[1].tolist())
+        conn.send(prod.address)
+        conn.recv()  # "done"
+    for b in bufs:
+        b.close()
+
+
+def run_engine_case(name: str, repeat: int, devices: tuple[int, int]) -> dict[str, Any]:
+    """One engine case: ``repeat`` pull requests, each verified; GB/s of the median."""
+    from kvxfer.engine import Consumer, EngineConfig, RequestState, allocate_cache
+    from kvxfer.testing.pattern import mismatches
+
+    src_kind, dst_kind = CASES[name]
+    spec = _engine_spec()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_engine_target, args=(child, src_kind.value, devices[0], repeat))
+    proc.start()
+    dst = [_Buffer(dst_kind, h.nbytes, devices[1]) for h in allocate_cache(spec)]
+    times, bad, nbytes, descs = [], 0, 0, 0
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("the producer process did not start")
+        address = parent.recv()
+        with Consumer(EngineConfig("gpu-check-d", model_name="tiny-gqa"),
+                      [(spec, _engine_buffers(dst))]) as cons:  # fmt: skip
+            for i in range(repeat):
+                lids, rids = _engine_ids(i)
+                t = cons.read(f"r{i}", address, local_block_ids=lids, remote_block_ids=rids)
+                if t.wait(60) is not RequestState.DONE:
+                    raise RuntimeError(f"request {i} ended {t.state.name}: {t.error}")
+                times.append(t.finished_at - t.posted_at)
+                nbytes, descs = t.num_bytes, t.num_descriptors
+                bad += mismatches(spec, [b.read() for b in dst], spec, lids, rids)
+    finally:
+        parent.send("done")
+        proc.join(30)
+        for b in dst:
+            b.close()
+    gb_s = nbytes / statistics.median(times) / 1e9
+    return {"case": name, "bytes": nbytes, "descriptors": descs, "gb_s": gb_s, "mismatches": bad}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["vram->vram", "dram->vram", "vram->dram"])  # fmt: skip
+    p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["vram->vram", "dram->vram", "vram->dram", "engine:vram->vram"])  # fmt: skip
     p.add_argument("--mib", type=int, default=256, help="bytes per transfer, MiB (default 256)")
     p.add_argument("--chunk-kib", type=int, default=1024, help="descriptor size (default 1024)")
     p.add_argument("--repeat", type=int, default=5, help="median of R transfers (default 5)")
@@ -206,12 +294,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: not run: {problem}; VRAM cases need CUDA and a GPU.")
         return 0
     failed = 0
-    print(f"{'case':<12} {'MiB':>6} {'descriptors':>12} {'GB/s':>8}  bytes verified")
+    print(f"{'case':<18} {'MiB':>6} {'descriptors':>12} {'GB/s':>8}  bytes verified")
     for name in args.cases:
-        r = run_case(name, nbytes, chunk, args.repeat, tuple(args.devices))  # type: ignore[arg-type]
+        devices = (args.devices[0], args.devices[1])
+        if name.startswith("engine:"):
+            r = run_engine_case(name, args.repeat, devices)
+        else:
+            r = run_case(name, nbytes, chunk, args.repeat, devices)
         ok = "all" if r["mismatches"] == 0 else f"{r['mismatches']} WRONG"
         failed += r["mismatches"] != 0
-        print(f"{name:<12} {args.mib:>6} {r['descriptors']:>12} {r['gb_s']:>8.2f}  {ok}")
+        mib = f"{r['bytes'] / (1 << 20):.3g}"
+        print(f"{name:<18} {mib:>6} {r['descriptors']:>12} {r['gb_s']:>8.2f}  {ok}")
     return 1 if failed else 0
 
 

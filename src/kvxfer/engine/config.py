@@ -10,12 +10,15 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import ConfigError
+from kvxfer.layout.model import DeviceBuffer
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.wire import compat_hash, model_facts
 
-__all__ = ["U8", "EngineConfig", "RequestState", "allocate_cache", "check_seconds"]
+__all__ = ["U8", "Buffer", "EngineConfig", "RequestState", "allocate_cache", "check_seconds"]
 
 U8 = npt.NDArray[np.uint8]
+# one region's memory: a host uint8 array, or memory by address (e.g. GPU, DeviceBuffer)
+Buffer = U8 | DeviceBuffer
 
 
 def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy.typing as npt
 
-from kvxfer.engine.config import U8, EngineConfig, check_seconds
+from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
 from kvxfer.engine.contact import FirstContact
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
@@ -39,7 +39,9 @@ class Consumer(FirstContact):
 
     Args:
         config: engine settings (deadline, handshake timeout, strided or dense lists).
-        ranks: per TP rank, its spec and region buffers (which must outlive this).
+        ranks: per TP rank, its spec and region buffers (which must outlive this): host
+            ``uint8`` arrays, or :class:`~kvxfer.layout.model.DeviceBuffer` per region for
+            memory given by address (a GPU's cache: VRAM), one kind and device per rank.
 
     Thread-safety: :meth:`read`, :meth:`push`, :meth:`connect` and :meth:`close` may be
     called from any thread; every NIXL call of the engine that touches its bookkeeping
@@ -53,7 +55,7 @@ class Consumer(FirstContact):
     def __init__(
         self,
         config: EngineConfig,
-        ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]],
+        ranks: Sequence[tuple[LayoutSpec, Sequence[Buffer]]],
         *,
         backend_factory: BackendFactory | None = None,
     ) -> None:

@@ -21,6 +21,7 @@ from kvxfer.engine.rank import RankCache
 from kvxfer.engine.transfer import Transfer
 from kvxfer.engine.waiting import Progress
 from kvxfer.errors import ClosedError, ConfigError, KvxferError, LayoutError, PeerLostError
+from kvxfer.layout.model import MemKind, single_mem_kind
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.transport.side_channel import fetch_records
 from kvxfer.wire import Heartbeat, LayoutRecord, encode_msg, layout_from_record
@@ -157,6 +158,17 @@ class FirstContact:
                 d: pair_layouts(c.layout, layouts, max_run_blocks=runs)
                 for d, c in self.ranks.items()
             }
+            peer.mem_kinds = {
+                r: single_mem_kind(lay.regions, f"{peer.address} rank {r}")[0]
+                for r, lay in layouts.items()
+            }
+            for d, plan in peer.plans.items():
+                if plan.kernel_bsr > 1 and self.ranks[d].mem_kind is not MemKind.DRAM:
+                    raise ConfigError(
+                        f"{peer.address}: its blocks ({plan.kernel_bsr}x smaller kernel "
+                        f"blocks) need a relayout after the transfer, which runs on the host; "
+                        f"rank {d}'s cache is device memory ({self.ranks[d].mem_kind.value})"
+                    )
             t2 = time.perf_counter()
             with self._engine_lock:
                 if self._closed:
@@ -212,8 +224,12 @@ class FirstContact:
         for d, plan in peer.plans.items():
             backend = self.ranks[d].backend
             for src in plan.sources:
-                loc = backend.prepare(src.local_rows, strided=self.config.strided)
-                rem = backend.prepare(src.remote_rows, names[src.rank], strided=self.config.strided)
+                strided, kind = self.config.strided, self.ranks[d].mem_kind
+                loc = backend.prepare(src.local_rows, strided=strided, mem_kind=kind)
+                kind = peer.mem_kinds[src.rank]
+                rem = backend.prepare(
+                    src.remote_rows, names[src.rank], strided=strided, mem_kind=kind
+                )
                 peer.lists[(d, src.rank)] = (loc, rem)
                 peer.num_rows += src.num_rows * 2
                 peer.num_descriptors += loc.num_descriptors + rem.num_descriptors

@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 
 from kvxfer.errors import KvxferError
+from kvxfer.layout.model import MemKind
 from kvxfer.planning.pairing import PeerPlan
 from kvxfer.transport.nixl import PreparedList
 
@@ -33,6 +34,7 @@ class PeerInfo:
     plans: dict[int, PeerPlan] = field(default_factory=dict)
     lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
     agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
+    mem_kinds: dict[int, MemKind] = field(default_factory=dict)  # remote rank -> its memory
     timings_s: dict[str, float] = field(default_factory=dict)
     num_rows: int = 0
     num_descriptors: int = 0

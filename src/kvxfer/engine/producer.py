@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvxfer.engine.config import U8, EngineConfig, check_seconds
+from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
 from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
@@ -34,7 +34,9 @@ class Producer:
 
     Args:
         config: engine settings (``side_channel_addr`` is bound here).
-        ranks: per TP rank, its spec and its region buffers (which must outlive this).
+        ranks: per TP rank, its spec and its region buffers (which must outlive this): host
+            ``uint8`` arrays, or :class:`~kvxfer.layout.model.DeviceBuffer` per region for
+            memory given by address (a GPU's cache: VRAM), one kind and device per rank.
         backend_factory: builds each rank's transfer backend from its agent name
             (default: a NIXL agent); ``kvxfer.testing.MemoryBackend`` runs in one process.
 
@@ -51,7 +53,7 @@ class Producer:
     def __init__(
         self,
         config: EngineConfig,
-        ranks: Sequence[tuple[LayoutSpec, Sequence[U8]]],
+        ranks: Sequence[tuple[LayoutSpec, Sequence[Buffer]]],
         *,
         backend_factory: BackendFactory | None = None,
     ) -> None:

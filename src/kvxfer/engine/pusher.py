@@ -30,6 +30,7 @@ from typing import cast
 
 from kvxfer.engine.rank import RankCache
 from kvxfer.errors import KvxferError, PeerLostError, TransferError
+from kvxfer.layout.model import MemKind, single_mem_kind
 from kvxfer.planning.pairing import PeerPlan, pair_layouts
 from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp, XferState
@@ -59,6 +60,7 @@ class _ConsumerPeer:
     agents: dict[int, str]  # consumer rank -> agent name
     plans: dict[int, PeerPlan]  # consumer rank -> its pairing with this producer engine
     generation: int = 0  # the consumer incarnation these agents belong to
+    mem_kinds: dict[int, MemKind] = field(default_factory=dict)  # consumer rank -> memory
     lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
 
 
@@ -292,11 +294,15 @@ class PushWorker:
             d: pair_layouts(lay, mine, max_run_blocks=runs, require_all=False)
             for d, lay in layouts.items()
         }
+        kinds = {
+            r: single_mem_kind(lay.regions, f"consumer {address} rank {r}")[0]
+            for r, lay in layouts.items()
+        }
         for cache in self._ranks.values():
             for rec in recs:
                 cache.backend.add_remote(rec.agent_metadata)
         agents = {r.tp_rank: r.agent_name for r in recs}
-        self._peers[address] = _ConsumerPeer(agents, plans, min(gens, default=0))
+        self._peers[address] = _ConsumerPeer(agents, plans, min(gens, default=0), kinds)
 
     def _drop(self, address: str) -> None:
         peer = self._peers.pop(address)
@@ -349,8 +355,11 @@ class PushWorker:
         backend = self._ranks[rank].backend
         key = (req.consumer_rank, rank)
         if key not in peer.lists:  # producer memory = the plan's remote side
-            mine = backend.prepare(src.remote_rows, strided=self._strided)
-            theirs = backend.prepare(src.local_rows, job.sender, strided=self._strided)
+            mine = backend.prepare(
+                src.remote_rows, strided=self._strided, mem_kind=self._ranks[rank].mem_kind
+            )
+            theirs = backend.prepare(src.local_rows, job.sender, strided=self._strided,
+                                     mem_kind=peer.mem_kinds[req.consumer_rank])  # fmt: skip
             peer.lists[key] = (mine, theirs)
         mine, theirs = peer.lists[key]
         rp = RequestIds.of(

@@ -3,6 +3,7 @@ handshake records an engine serves."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -12,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.engine.config import U8, EngineConfig
-from kvxfer.errors import KvxferError, LayoutError
-from kvxfer.layout.model import CacheLayout, MemKind
+from kvxfer.engine.config import U8, Buffer, EngineConfig
+from kvxfer.errors import ConfigError, KvxferError, LayoutError, TransferError
+from kvxfer.layout.model import CacheLayout, DeviceBuffer, MemKind
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.backend import BackendFactory, TransferBackend
 from kvxfer.transport.nixl import NixlBackend, XferOp, XferState
@@ -39,7 +40,7 @@ class RankCache:
     def __init__(
         self,
         spec: LayoutSpec,
-        bufs: Sequence[U8],
+        bufs: Sequence[Buffer],
         agent_name: str,
         config: EngineConfig,
         backend_factory: BackendFactory | None = None,
@@ -49,9 +50,20 @@ class RankCache:
             raise LayoutError(f"buffers {[b.nbytes for b in bufs]} do not match regions {sizes}")
         self.spec = spec
         self.bufs = list(bufs)
+        places = [
+            (b.mem_kind, b.device_id) if isinstance(b, DeviceBuffer) else (MemKind.DRAM, 0)
+            for b in bufs
+        ]
+        if len(set(places)) != 1:
+            raise ConfigError(
+                f"rank {spec.tp_rank}: buffers span {sorted({(k.value, d) for k, d in places})}: "
+                "a rank's cache must be in one memory kind on one device"
+            )
+        self.mem_kind, device = places[0]
         self.layout: CacheLayout = spec.build(
-            [b.ctypes.data for b in bufs], engine_id=config.engine_id
-        )
+            [b.addr if isinstance(b, DeviceBuffer) else b.ctypes.data for b in bufs],
+            device_id=device, engine_id=config.engine_id, mem_kind=self.mem_kind,
+        )  # fmt: skip
         self.backend: TransferBackend[Any, Any] = (
             backend_factory(agent_name)
             if backend_factory is not None
@@ -65,11 +77,37 @@ class RankCache:
         )
         try:
             self.backend.register(
-                [(r.base_addr, r.num_bytes, r.device_id) for r in self.layout.regions]
+                [(r.base_addr, r.num_bytes, r.device_id) for r in self.layout.regions],
+                self.mem_kind,
             )
+        except TransferError as e:
+            self.backend.close()
+            raise TransferError(
+                f"rank {spec.tp_rank}: registering {len(sizes)} {self.mem_kind.value} regions "
+                f"on device {device}: {e}"
+            ) from e
         except BaseException:
             self.backend.close()
             raise
+
+    def host_bufs(self) -> list[U8]:
+        """The buffers as NumPy arrays, for host-side work (relayout after a transfer);
+        DRAM given by address (a DRAM :class:`DeviceBuffer`) is viewed in place.
+
+        Raises:
+            ConfigError: the cache is device memory (VRAM).
+        """
+        if self.mem_kind is not MemKind.DRAM:
+            raise ConfigError(
+                f"rank {self.rank}: its cache is device memory ({self.mem_kind.value}); "
+                "this needs host buffers"
+            )
+        return [
+            np.ctypeslib.as_array((ctypes.c_uint8 * b.nbytes).from_address(b.addr))
+            if isinstance(b, DeviceBuffer)
+            else b
+            for b in self.bufs
+        ]
 
     @property
     def rank(self) -> int:

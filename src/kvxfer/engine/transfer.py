@@ -393,7 +393,9 @@ class Transfer:
             if plan.kernel_bsr > 1:
                 cached = int(self.ids.num_cached_blocks)
                 cache = ctx.ranks[d]
-                relayout_bsr(cache.spec, cache.bufs, self.ids.local[cached:], plan.kernel_bsr)
+                relayout_bsr(
+                    cache.spec, cache.host_bufs(), self.ids.local[cached:], plan.kernel_bsr
+                )
         self.finished_at = time.perf_counter()
         self.state = RequestState.DONE
         ctx.record(self)

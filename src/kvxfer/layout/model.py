@@ -13,16 +13,27 @@ the model facts a planner needs to pair two layouts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import LayoutError
+from kvxfer.errors import ConfigError, LayoutError
 from kvxfer.layout.overlap import check_views_disjoint
 
-__all__ = ["CacheLayout", "MemKind", "Region", "Shard", "TokenLayout", "View", "ViewKind"]
+__all__ = [
+    "CacheLayout",
+    "DeviceBuffer",
+    "MemKind",
+    "Region",
+    "Shard",
+    "TokenLayout",
+    "View",
+    "ViewKind",
+    "single_mem_kind",
+]
 
 MAX_ADDR = (1 << 64) - 1
 
@@ -71,6 +82,52 @@ class Region:
     device_id: int = 0
     name: str = ""
     mem_kind: MemKind = MemKind.DRAM
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBuffer:
+    """Memory an engine uses by address, not as a NumPy array: e.g. one region of a GPU's
+    KV cache by device pointer (``torch.Tensor.data_ptr()``), ``device_id`` the GPU index.
+
+    The engines take these where they take ``uint8`` arrays, one per region; the caller
+    keeps the memory alive while an engine has it registered. ``mem_kind`` tells the
+    transport how to register and move it (VRAM needs a NIXL whose UCX has CUDA).
+    """
+
+    addr: int
+    nbytes: int
+    device_id: int = 0
+    mem_kind: MemKind = MemKind.VRAM
+
+    def __post_init__(self) -> None:
+        for name in ("addr", "nbytes", "device_id"):
+            value = getattr(self, name)
+            low = -1 if name == "device_id" else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value <= low:
+                raise LayoutError(f"DeviceBuffer {name} must be an int > {low}, got {value!r}")
+        if self.addr + self.nbytes > MAX_ADDR + 1:
+            raise LayoutError(f"DeviceBuffer [{self.addr:#x}, +{self.nbytes}) passes 2^64")
+        try:
+            object.__setattr__(self, "mem_kind", MemKind(self.mem_kind))
+        except ValueError:
+            raise ConfigError(
+                f"DeviceBuffer mem_kind must be one of DRAM, VRAM, got {self.mem_kind!r}"
+            ) from None
+
+
+def single_mem_kind(regions: Sequence[Region], who: str) -> tuple[MemKind, int]:
+    """The one ``(mem_kind, device_id)`` all of a rank's regions share.
+
+    Raises:
+        ConfigError: the regions span memory kinds or devices (a rank's cache lives in
+            one place; the transport prepares each list under one kind).
+    """
+    places = sorted({(r.mem_kind.value, r.device_id) for r in regions})
+    if len(places) != 1:
+        raise ConfigError(
+            f"{who}: regions span {places}: a rank's cache must be in one memory kind on one device"
+        )
+    return MemKind(places[0][0]), places[0][1]
 
 
 @dataclass(frozen=True, slots=True)

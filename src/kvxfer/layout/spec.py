@@ -13,7 +13,7 @@ from enum import Enum
 
 from kvxfer._intmath import exact_div, require_positive
 from kvxfer.errors import LayoutError
-from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
+from kvxfer.layout.model import CacheLayout, MemKind, Region, Shard, TokenLayout, View, ViewKind
 
 __all__ = ["AttnKind", "LayoutSpec", "StateSpec"]
 
@@ -148,14 +148,19 @@ class LayoutSpec:
         return [nk * 2 * kb * self.num_layers]  # CROSS_LAYER
 
     def build(
-        self, base_addrs: Sequence[int], device_id: int = 0, engine_id: str = ""
+        self,
+        base_addrs: Sequence[int],
+        device_id: int = 0,
+        engine_id: str = "",
+        mem_kind: MemKind = MemKind.DRAM,
     ) -> CacheLayout:
-        """Return the layout over regions allocated at ``base_addrs`` (one per region)."""
+        """Return the layout over regions allocated at ``base_addrs`` (one per region), all
+        in ``mem_kind`` memory on ``device_id``."""
         sizes = self.region_bytes()
         if len(base_addrs) != len(sizes):
             raise LayoutError(f"expected {len(sizes)} base addresses, got {len(base_addrs)}")
         regions = tuple(
-            Region(int(a), n, device_id, f"r{i}")
+            Region(int(a), n, device_id, f"r{i}", mem_kind)
             for i, (a, n) in enumerate(zip(base_addrs, sizes, strict=True))
         )
         return CacheLayout(

@@ -7,8 +7,10 @@ in one process can talk; across processes use :class:`~kvxfer.transport.nixl.Nix
 The error contract is NixlBackend's: malformed rows or ids raise LayoutError, descriptors
 outside registered memory or mismatched lengths raise TransferError, a released handle
 raises ConfigError, a removed, closed or restarted peer raises PeerLostError.
-Transfers complete inside :meth:`MemoryBackend.post` (always DONE). DRAM only: VRAM
-raises ConfigError. Thread-safe.
+Transfers complete inside :meth:`MemoryBackend.post` (always DONE). DRAM only by
+default (VRAM raises ConfigError); ``mem_kinds={DRAM, VRAM}`` lets a test present host
+memory as device memory, with every list checked against its registration's kind and
+device. Thread-safe.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ _LOCK = threading.RLock()  # guards the registry, every agent's state and every 
 _AGENTS: dict[str, MemoryBackend] = {}
 _incarnations = itertools.count(1)
 
-Regions = list[tuple[int, int, int]]  # (addr, nbytes, device)
+Regions = list[tuple[int, int, int, str]]  # (addr, nbytes, device, mem kind value)
 
 
 class _MemHandle:
@@ -104,12 +106,14 @@ class MemoryXfer(_MemHandle):
         self._released = True
 
 
-def _inside(rows: np.ndarray, regions: Regions) -> np.ndarray:
-    """``(N,) bool``: descriptor ``i`` lies wholly inside one registered region."""
+def _inside(rows: np.ndarray, regions: Regions, mem_kind: MemKind) -> np.ndarray:
+    """``(N,) bool``: descriptor ``i`` lies wholly inside one region registered as
+    ``mem_kind`` on the descriptor's device."""
     ok = np.zeros(rows.shape[0], dtype=bool)
-    start, end = rows[:, 0], rows[:, 0] + rows[:, 1]
-    for addr, nbytes, _dev in regions:
-        ok |= (start >= addr) & (end <= addr + nbytes)
+    start, end, dev = rows[:, 0], rows[:, 0] + rows[:, 1], rows[:, 2]
+    for addr, nbytes, device, kind in regions:
+        if kind == mem_kind.value:
+            ok |= (start >= addr) & (end <= addr + nbytes) & (dev == device)
     return ok
 
 
@@ -118,9 +122,22 @@ class MemoryBackend:
 
     Args:
         name: agent name, unique among the live agents of this process.
+        mem_kinds: the memory kinds it accepts (default DRAM only, like a NIXL without
+            CUDA). ``{DRAM, VRAM}`` lets tests present host memory as device memory: it
+            keeps each registration's kind and device, and refuses rows prepared under
+            another kind or device, so a caller's kinds are checked, not just its bytes.
     """
 
-    def __init__(self, name: str, **_nixl_options: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        mem_kinds: frozenset[MemKind] = frozenset({MemKind.DRAM}),
+        **_nixl_options: Any,
+    ) -> None:
+        kinds = frozenset(check_mem_kind(k, frozenset(MemKind), "MemoryBackend") for k in mem_kinds)
+        if not kinds:
+            raise ConfigError("MemoryBackend needs at least one memory kind")
         with _LOCK:
             if name in _AGENTS:
                 raise ConfigError(f"agent name {name!r} is already in use in this process")
@@ -132,7 +149,7 @@ class MemoryBackend:
         self._inbox: dict[str, list[bytes]] = {}
         self._handles: weakref.WeakSet[_MemHandle] = weakref.WeakSet()  # live ones only
         self._closed = False
-        self.mem_kinds = frozenset({MemKind.DRAM})
+        self.mem_kinds = kinds
 
     def __enter__(self) -> MemoryBackend:
         return self
@@ -147,16 +164,22 @@ class MemoryBackend:
     def register(
         self, regions: Sequence[tuple[int, int, int]], mem_kind: MemKind = MemKind.DRAM
     ) -> None:
-        """Register ``(addr, nbytes, device)`` DRAM regions; the caller keeps them alive."""
+        """Register ``(addr, nbytes, device)`` regions of ``mem_kind``; the caller keeps
+        them alive."""
         self._live()
-        check_mem_kind(mem_kind, self.mem_kinds, "MemoryBackend")
+        kind = check_mem_kind(mem_kind, self.mem_kinds, "MemoryBackend")
         if not regions:
             raise LayoutError("no regions to register")
         for i, (addr, nbytes, dev) in enumerate(regions):
             if addr <= 0 or nbytes <= 0 or dev < 0:
                 raise LayoutError(f"region {i}: addr {addr}, nbytes {nbytes}, device {dev}")
         with _LOCK:
-            self._regions.extend((int(a), int(n), int(d)) for a, n, d in regions)
+            self._regions.extend((int(a), int(n), int(d), kind.value) for a, n, d in regions)
+
+    def registered_kinds(self) -> set[MemKind]:
+        """The memory kinds of this agent's registrations (what a test checks)."""
+        with _LOCK:
+            return {MemKind(r[3]) for r in self._regions}
 
     def metadata(self) -> bytes:
         """Name, incarnation and registered regions, for a peer's :meth:`add_remote`."""
@@ -172,7 +195,7 @@ class MemoryBackend:
         try:
             body = json.loads(blob[len(_MAGIC) :])
             name, inc = str(body["name"]), int(body["incarnation"])
-            regions = [(int(a), int(n), int(d)) for a, n, d in body["regions"]]
+            regions = [(int(a), int(n), int(d), str(k)) for a, n, d, k in body["regions"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad MemoryBackend metadata: {exc}") from None
         if name in self._remotes:
@@ -207,17 +230,18 @@ class MemoryBackend:
     ) -> MemoryList:
         """Check rows lie inside the target's registered memory; keep them dense."""
         self._live()
-        check_mem_kind(mem_kind, self.mem_kinds, "MemoryBackend")
+        kind = check_mem_kind(mem_kind, self.mem_kinds, "MemoryBackend")
         rows, _num = check_rows(rows)
         dense = dense_rows(rows) if rows.shape[1] == 5 else rows  # (num, 3) uint64
         with _LOCK:
             _inc, regions = self._peer(remote_agent or self.name)
-            bad = np.flatnonzero(~_inside(dense, regions))
+            bad = np.flatnonzero(~_inside(dense, regions, kind))
             if bad.size:
                 addr, length = int(dense[bad[0], 0]), int(dense[bad[0], 1])
                 raise TransferError(
                     f"prepare (agent {remote_agent or self.name!r}) failed: descriptor "
-                    f"{int(bad[0])} [{addr:#x}, +{length}) is outside registered memory"
+                    f"{int(bad[0])} [{addr:#x}, +{length}) device {int(dense[bad[0], 2])} "
+                    f"is outside registered memory of kind {kind.value}"
                 )
             plist = MemoryList(dense, remote_agent, strided and rows.shape[1] == 5)
             self._handles.add(plist)

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout.model import TokenLayout
+from kvxfer.layout.model import DeviceBuffer, MemKind, TokenLayout
 from kvxfer.layout.spec import AttnKind, LayoutSpec
 
 __all__ = ["backend_kind", "spec_from_vllm_tensors"]
@@ -80,7 +80,7 @@ def spec_from_vllm_tensors(
     num_kv_heads: int,
     tp_rank: int = 0,
     tp_size: int = 1,
-) -> tuple[LayoutSpec, list[U8]]:
+) -> tuple[LayoutSpec, list[U8 | DeviceBuffer]]:
     """The layout spec and region buffers of one rank's vLLM KV cache.
 
     Args:
@@ -92,12 +92,14 @@ def spec_from_vllm_tensors(
 
     Returns:
         ``(spec, bufs)``: the spec, and per region (in the spec's region order) a
-        ``uint8`` view of the tensors' memory, as :class:`~kvxfer.engine.Producer`
-        and :class:`~kvxfer.engine.Consumer` take them.
+        ``uint8`` view of the tensors' memory (CPU tensors) or a
+        :class:`~kvxfer.layout.model.DeviceBuffer` naming it as VRAM on the tensors' GPU
+        (CUDA tensors), as :class:`~kvxfer.engine.Producer` and
+        :class:`~kvxfer.engine.Consumer` take them.
 
     Raises:
-        LayoutError: an unsupported backend, a non-CPU tensor, tensors of different
-            shapes or dtypes, or a shape or stride order the backend does not use
+        LayoutError: an unsupported backend, a tensor neither on the CPU nor on a CUDA
+            device, tensors of different shapes, dtypes or devices, or a shape or stride order the backend does not use
             (the message names the layer and the shapes).
     """
     key = backend_kind(backend)
@@ -106,12 +108,18 @@ def spec_from_vllm_tensors(
         raise LayoutError("no KV tensors to register")
     first = tensors[0]
     for i, t in enumerate(tensors):
-        if t.device.type != "cpu":
-            raise LayoutError(f"layer {i}: KV tensor on {t.device}; this engine moves DRAM only")
-        if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
+        if t.device.type not in ("cpu", "cuda"):
             raise LayoutError(
-                f"layer {i}: KV tensor {tuple(t.shape)} {t.dtype} differs from layer 0's "
-                f"{tuple(first.shape)} {first.dtype}"
+                f"layer {i}: KV tensor on {t.device}; kvxfer moves host (cpu) and CUDA memory"
+            )
+        if (
+            tuple(t.shape) != tuple(first.shape)
+            or t.dtype != first.dtype
+            or t.device != first.device
+        ):
+            raise LayoutError(
+                f"layer {i}: KV tensor {tuple(t.shape)} {t.dtype} on {t.device} differs from "
+                f"layer 0's {tuple(first.shape)} {first.dtype} on {first.device}"
             )
         if len(t.shape) != len(dims):
             raise LayoutError(f"layer {i}: {key} KV tensors have dims {dims}, got {tuple(t.shape)}")
@@ -155,16 +163,23 @@ def spec_from_vllm_tensors(
             f"{key}: KV tensors hold {heads} heads per rank; {num_kv_heads} heads over "
             f"tp_size {tp_size} gives {spec.heads_per_rank}"
         )
-    bufs: list[U8] = []
+    bufs: list[U8 | DeviceBuffer] = []
+    gpu = (first.device.index or 0) if first.device.type == "cuda" else None
+
+    def region(addr: int, nbytes: int) -> U8 | DeviceBuffer:
+        if gpu is None:
+            return _as_bytes(addr, nbytes)
+        return DeviceBuffer(addr, nbytes, gpu, MemKind.VRAM)  # by device pointer
+
     for t in tensors:
         nbytes = t.numel() * e
         if kind is AttnKind.SPLIT_KV:  # K half then V half of one (2, NB, ...) tensor
             bufs += [
-                _as_bytes(t.data_ptr(), nbytes // 2),
-                _as_bytes(t.data_ptr() + nbytes // 2, nbytes // 2),
+                region(t.data_ptr(), nbytes // 2),
+                region(t.data_ptr() + nbytes // 2, nbytes // 2),
             ]
         else:
-            bufs.append(_as_bytes(t.data_ptr(), nbytes))
+            bufs.append(region(t.data_ptr(), nbytes))
     sizes = spec.region_bytes()
     if [b.nbytes for b in bufs] != sizes:
         raise LayoutError(
