@@ -196,6 +196,28 @@ def test_preconnect_contacts_a_restarted_producer_again() -> None:
             assert cons.stats().first_contacts[0].phases_s == phases  # no new contact
 
 
+def _spy_nixl(*names: str) -> tuple[list[tuple[str, str]], pytest.MonkeyPatch]:
+    """Record ``(agent name, call)`` for each named NixlBackend method (``make_xfer`` with
+    its op), calling the real method; undo the returned MonkeyPatch when done."""
+    from kvxfer.transport import nixl
+
+    calls: list[tuple[str, str]] = []
+    real = {n: getattr(nixl.NixlBackend, n) for n in names}
+
+    def spy(name: str):  # type: ignore[no-untyped-def]
+        def call(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            what = f"make_xfer {args[0].name}" if name == "make_xfer" else name
+            calls.append((self.name, what))
+            return real[name](self, *args, **kwargs)
+
+        return call
+
+    mp = pytest.MonkeyPatch()
+    for n in names:
+        mp.setattr(nixl.NixlBackend, n, spy(n))
+    return calls, mp
+
+
 def test_a_new_consumer_has_paid_the_transports_one_time_costs_before_first_contact() -> None:
     """UCX sets itself up on an agent's first peer and first transfer (measured here:
     add_agent 18 ms and the wire-up 5 ms for a consumer's first producer, 3.5 ms and
@@ -203,28 +225,14 @@ def test_a_new_consumer_has_paid_the_transports_one_time_costs_before_first_cont
     loopback agent: the spy sees one add_remote, one WRITE from our own memory (never
     into it: the consumer's blocks stay as they were) and one notification, all before
     the first request; the warm-up agent is removed again."""
-    from kvxfer.transport import nixl
-
-    calls: list[str] = []
-    real = {n: getattr(nixl.NixlBackend, n) for n in ("add_remote", "make_xfer", "remove_remote")}
-
-    def spy(name: str):  # type: ignore[no-untyped-def]
-        def call(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            calls.append(name if name != "make_xfer" else f"make_xfer {args[0].name}")
-            return real[name](self, *args, **kwargs)
-
-        return call
-
     spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
     local = allocate_cache(spec)
     fill(spec, local)
     before = [b.copy() for b in local]
-    mp = pytest.MonkeyPatch()
-    for n in real:
-        mp.setattr(nixl.NixlBackend, n, spy(n))
+    calls, mp = _spy_nixl("add_remote", "make_xfer", "remove_remote")
     try:
         with Consumer(EngineConfig("d", model_name="tiny-gqa"), [(spec, local)]) as cons:
-            assert calls == ["add_remote", "make_xfer WRITE", "remove_remote"]
+            assert [c[1] for c in calls] == ["add_remote", "make_xfer WRITE", "remove_remote"]
             assert cons.ranks[0].backend._remotes == set()  # the warm-up agent is gone
             assert all(np.array_equal(a, b) for a, b in zip(before, local, strict=True))
     finally:
@@ -237,26 +245,11 @@ def test_a_new_producer_has_paid_its_first_incoming_peers_cost_in_the_background
     took 16-21 ms, the next ones 1-2 ms. A producer pays that after it starts, in a
     background thread, with a throwaway agent that loads the producer's metadata and
     READs 64 bytes of its first region (never writes there); the probe is gone after."""
-    from kvxfer.transport import nixl
-
-    calls: list[tuple[str, str]] = []
-    real = {n: getattr(nixl.NixlBackend, n) for n in ("add_remote", "make_xfer", "close")}
-
-    def spy(name: str):  # type: ignore[no-untyped-def]
-        def call(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            what = f"make_xfer {args[0].name}" if name == "make_xfer" else name
-            calls.append((self.name, what))
-            return real[name](self, *args, **kwargs)
-
-        return call
-
     spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
     bufs = allocate_cache(spec)
     fill(spec, bufs)
     before = [b.copy() for b in bufs]
-    mp = pytest.MonkeyPatch()
-    for n in real:
-        mp.setattr(nixl.NixlBackend, n, spy(n))
+    calls, mp = _spy_nixl("add_remote", "make_xfer", "close")
     try:
         with Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, bufs)]) as prod:
             assert prod.warmed_up.wait(10), "the producer's warm-up never ended"

@@ -222,13 +222,12 @@ class FirstContact:
 
     def _prepare(self, peer: PeerInfo, names: dict[int, str]) -> None:
         for d, plan in peer.plans.items():
-            backend = self.ranks[d].backend
+            backend, cache_kind = self.ranks[d].backend, self.ranks[d].mem_kind
             for src in plan.sources:
-                strided, kind = self.config.strided, self.ranks[d].mem_kind
-                loc = backend.prepare(src.local_rows, strided=strided, mem_kind=kind)
-                kind = peer.mem_kinds[src.rank]
+                strided, theirs = self.config.strided, peer.mem_kinds[src.rank]
+                loc = backend.prepare(src.local_rows, strided=strided, mem_kind=cache_kind)
                 rem = backend.prepare(
-                    src.remote_rows, names[src.rank], strided=strided, mem_kind=kind
+                    src.remote_rows, names[src.rank], strided=strided, mem_kind=theirs
                 )
                 peer.lists[(d, src.rank)] = (loc, rem)
                 peer.num_rows += src.num_rows * 2
