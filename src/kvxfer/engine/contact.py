@@ -21,7 +21,7 @@ from kvxfer.engine.rank import RankCache
 from kvxfer.engine.transfer import Transfer
 from kvxfer.engine.waiting import Progress
 from kvxfer.errors import ClosedError, ConfigError, KvxferError, LayoutError, PeerLostError
-from kvxfer.layout.model import MemKind, single_mem_kind
+from kvxfer.layout.model import MemKind, region_places, single_place
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.transport.side_channel import fetch_records
 from kvxfer.wire import Heartbeat, LayoutRecord, encode_msg, layout_from_record
@@ -159,7 +159,7 @@ class FirstContact:
                 for d, c in self.ranks.items()
             }
             peer.mem_kinds = {
-                r: single_mem_kind(lay.regions, f"{peer.address} rank {r}")[0]
+                r: single_place(region_places(lay.regions), f"{peer.address} rank {r} regions")[0]
                 for r, lay in layouts.items()
             }
             for d, plan in peer.plans.items():

@@ -30,7 +30,7 @@ from typing import cast
 
 from kvxfer.engine.rank import RankCache
 from kvxfer.errors import KvxferError, PeerLostError, TransferError
-from kvxfer.layout.model import MemKind, single_mem_kind
+from kvxfer.layout.model import MemKind, region_places, single_place
 from kvxfer.planning.pairing import PeerPlan, pair_layouts
 from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp, XferState
@@ -295,7 +295,7 @@ class PushWorker:
             for d, lay in layouts.items()
         }
         kinds = {
-            r: single_mem_kind(lay.regions, f"consumer {address} rank {r}")[0]
+            r: single_place(region_places(lay.regions), f"consumer {address} rank {r} regions")[0]
             for r, lay in layouts.items()
         }
         for cache in self._ranks.values():

@@ -3,7 +3,6 @@ handshake records an engine serves."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
@@ -15,7 +14,8 @@ import numpy as np
 
 from kvxfer.engine.config import U8, Buffer, EngineConfig
 from kvxfer.errors import ConfigError, KvxferError, LayoutError, TransferError
-from kvxfer.layout.model import CacheLayout, DeviceBuffer, MemKind
+from kvxfer.layout.buffers import host_view
+from kvxfer.layout.model import CacheLayout, DeviceBuffer, MemKind, Region, single_place
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.backend import BackendFactory, TransferBackend
 from kvxfer.transport.nixl import NixlBackend, XferOp, XferState
@@ -50,16 +50,11 @@ class RankCache:
             raise LayoutError(f"buffers {[b.nbytes for b in bufs]} do not match regions {sizes}")
         self.spec = spec
         self.bufs = list(bufs)
-        places = [
-            (b.mem_kind, b.device_id) if isinstance(b, DeviceBuffer) else (MemKind.DRAM, 0)
-            for b in bufs
-        ]
-        if len(set(places)) != 1:
-            raise ConfigError(
-                f"rank {spec.tp_rank}: buffers span {sorted({(k.value, d) for k, d in places})}: "
-                "a rank's cache must be in one memory kind on one device"
-            )
-        self.mem_kind, device = places[0]
+        self.mem_kind, device = single_place(
+            [(b.mem_kind, b.device_id) if isinstance(b, DeviceBuffer) else (MemKind.DRAM, 0)
+             for b in bufs],
+            f"rank {spec.tp_rank}: buffers",
+        )  # fmt: skip
         self.layout: CacheLayout = spec.build(
             [b.addr if isinstance(b, DeviceBuffer) else b.ctypes.data for b in bufs],
             device_id=device, engine_id=config.engine_id, mem_kind=self.mem_kind,
@@ -103,17 +98,14 @@ class RankCache:
                 "this needs host buffers"
             )
         return [
-            np.ctypeslib.as_array((ctypes.c_uint8 * b.nbytes).from_address(b.addr))
-            if isinstance(b, DeviceBuffer)
-            else b
-            for b in self.bufs
+            host_view(b.addr, b.nbytes) if isinstance(b, DeviceBuffer) else b for b in self.bufs
         ]
 
     @property
     def rank(self) -> int:
         return self.spec.tp_rank
 
-    def _warm_region(self) -> Any:
+    def _warm_region(self) -> Region | None:
         """The first region, when this rank's transport is NIXL and it is DRAM large enough
         for a warm-up transfer; else None (e.g. the in-memory backend: nothing to warm)."""
         if not isinstance(self.backend, NixlBackend):

@@ -8,6 +8,7 @@ planner and the engine can re-lay-out received blocks (:mod:`kvxfer.engine.relay
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,9 +18,15 @@ import numpy.typing as npt
 from kvxfer.layout.model import TokenLayout
 from kvxfer.layout.spec import AttnKind, LayoutSpec
 
-__all__ = ["AttnPart", "StatePart", "attn_parts", "state_parts"]
+__all__ = ["AttnPart", "StatePart", "attn_parts", "host_view", "state_parts"]
 
 U8 = npt.NDArray[np.uint8]
+
+
+def host_view(addr: int, nbytes: int) -> U8:
+    """A ``uint8`` array over ``nbytes`` of host memory at ``addr`` (no copy; the caller
+    keeps the memory alive)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
 
 @dataclass(frozen=True, slots=True)

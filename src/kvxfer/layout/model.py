@@ -13,7 +13,7 @@ the model facts a planner needs to pair two layouts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -32,7 +32,8 @@ __all__ = [
     "TokenLayout",
     "View",
     "ViewKind",
-    "single_mem_kind",
+    "region_places",
+    "single_place",
 ]
 
 MAX_ADDR = (1 << 64) - 1
@@ -115,19 +116,25 @@ class DeviceBuffer:
             ) from None
 
 
-def single_mem_kind(regions: Sequence[Region], who: str) -> tuple[MemKind, int]:
-    """The one ``(mem_kind, device_id)`` all of a rank's regions share.
+def single_place(places: Iterable[tuple[MemKind, int]], who: str) -> tuple[MemKind, int]:
+    """The one ``(mem_kind, device_id)`` that all of a rank's memory shares (its regions'
+    or its buffers').
 
     Raises:
-        ConfigError: the regions span memory kinds or devices (a rank's cache lives in
-            one place; the transport prepares each list under one kind).
+        ConfigError: they span memory kinds or devices (a rank's cache lives in one
+            place; the transport prepares each list under one kind).
     """
-    places = sorted({(r.mem_kind.value, r.device_id) for r in regions})
-    if len(places) != 1:
+    found = sorted({(MemKind(k).value, d) for k, d in places})
+    if len(found) != 1:
         raise ConfigError(
-            f"{who}: regions span {places}: a rank's cache must be in one memory kind on one device"
+            f"{who} span {found}: a rank's cache must be in one memory kind on one device"
         )
-    return MemKind(places[0][0]), places[0][1]
+    return MemKind(found[0][0]), found[0][1]
+
+
+def region_places(regions: Sequence[Region]) -> list[tuple[MemKind, int]]:
+    """``(mem_kind, device_id)`` of each region, for :func:`single_place`."""
+    return [(r.mem_kind, r.device_id) for r in regions]
 
 
 @dataclass(frozen=True, slots=True)

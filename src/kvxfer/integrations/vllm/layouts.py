@@ -17,7 +17,6 @@ tensors must outlive the engine that registers them, as vLLM's do).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import LayoutError
+from kvxfer.layout.buffers import host_view
 from kvxfer.layout.model import DeviceBuffer, MemKind, TokenLayout
 from kvxfer.layout.spec import AttnKind, LayoutSpec
 
@@ -68,10 +68,6 @@ def _physical(t: Any, dims: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(dims[i] for i in order)
 
 
-def _as_bytes(ptr: int, nbytes: int) -> U8:
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
-
-
 def spec_from_vllm_tensors(
     tensors: Sequence[Any],
     *,
@@ -99,8 +95,8 @@ def spec_from_vllm_tensors(
 
     Raises:
         LayoutError: an unsupported backend, a tensor neither on the CPU nor on a CUDA
-            device, tensors of different shapes, dtypes or devices, or a shape or stride order the backend does not use
-            (the message names the layer and the shapes).
+            device, tensors of different shapes, dtypes or devices, or a shape or stride
+            order the backend does not use (the message names the layer and the shapes).
     """
     key = backend_kind(backend)
     kind, dims = _SHAPES[key]
@@ -168,7 +164,7 @@ def spec_from_vllm_tensors(
 
     def region(addr: int, nbytes: int) -> U8 | DeviceBuffer:
         if gpu is None:
-            return _as_bytes(addr, nbytes)
+            return host_view(addr, nbytes)
         return DeviceBuffer(addr, nbytes, gpu, MemKind.VRAM)  # by device pointer
 
     for t in tensors:
