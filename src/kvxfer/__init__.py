@@ -46,7 +46,8 @@ from kvxfer.layout.model import (
 from kvxfer.layout.presets import PRESETS, spec_for
 from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
 from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, row_starts
-from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
+from kvxfer.planning.pairing import pair_layouts
+from kvxfer.planning.plans import PeerPlan, SourcePlan
 from kvxfer.planning.request import RequestIds, RequestPlan, SourceIds, plan_request
 from kvxfer.planning.tp import TpPlan, plan_tp
 

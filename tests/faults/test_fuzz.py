@@ -17,7 +17,7 @@ import zmq
 
 from kvxfer.engine.config import EngineConfig, RequestState
 from kvxfer.transport.nixl import NixlBackend
-from kvxfer.transport.side_channel import fetch_records
+from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import (
     MAX_LEASE_IDS,
     MAX_MSG_BYTES,

@@ -26,7 +26,7 @@ import pytest
 from kvxfer.engine.config import RequestState
 from kvxfer.errors import KvxferError
 from kvxfer.transport.nixl import NixlBackend
-from kvxfer.transport.side_channel import fetch_records
+from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import Abort, ReadDone, WriteDone, encode_msg
 
 from .procs import ProducerProc, free_port, make_consumer, verify

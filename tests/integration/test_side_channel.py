@@ -14,7 +14,8 @@ import zmq
 from kvxfer.errors import ConfigError, IncompatibleError, LayoutError, PeerLostError, ProtocolError
 from kvxfer.layout.model import CacheLayout
 from kvxfer.layout.spec import AttnKind, LayoutSpec
-from kvxfer.transport.side_channel import SideChannelServer, fetch_records
+from kvxfer.transport.side_channel import SideChannelServer
+from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import (
     ErrorReply,
     GetRecords,

@@ -9,7 +9,8 @@ import pytest
 import zmq
 
 from kvxfer.errors import AuthError, IncompatibleError
-from kvxfer.transport.side_channel import SideChannelServer, fetch_records
+from kvxfer.transport.side_channel import SideChannelServer
+from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import (
     ErrorReply,
     GetRecords,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvxfer.transport.side_channel import fetch_records
+from kvxfer.transport.side_client import fetch_records
 from tests.integration.test_side_channel import H
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

@@ -19,8 +19,8 @@ from kvxfer.transport.nixl import (
     XferHandle,
     XferOp,
     XferState,
-    _peek_agent_name,
 )
+from kvxfer.transport.nixl_binding import peek_agent_name as _peek_agent_name
 
 BLOCK = 4096
 NUM_BLOCKS = 64

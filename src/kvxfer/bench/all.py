@@ -151,7 +151,12 @@ def _section_first_contact(doc: dict[str, Any]) -> list[str]:
 
 
 def _section_per_request(doc: dict[str, Any]) -> list[str]:
-    from kvxfer.bench.per_request import C_COLUMNS, COLUMNS, coalesced_table_rows, table_rows
+    from kvxfer.bench.per_request_report import (
+        C_COLUMNS,
+        COLUMNS,
+        coalesced_table_rows,
+        table_rows,
+    )
     from kvxfer.bench.report import fmt_ratio, fmt_seconds, markdown_table
 
     t, c = doc["targets"], doc["config"]

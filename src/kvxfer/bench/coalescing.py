@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.planning.descriptors import COUNT, LEN, STRIDE
-from kvxfer.planning.pairing import SourcePlan
+from kvxfer.planning.plans import SourcePlan
 from kvxfer.planning.request import expand_ids
 
 __all__ = ["coalesced_ids", "coalesced_rows"]

@@ -21,7 +21,8 @@ from kvxfer.cli.records import PlanInput, load_plan_input
 from kvxfer.errors import LayoutError
 from kvxfer.layout.model import CacheLayout
 from kvxfer.planning.descriptors import LEN
-from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
+from kvxfer.planning.pairing import pair_layouts
+from kvxfer.planning.plans import PeerPlan, SourcePlan
 from kvxfer.planning.request import RequestPlan, SourceIds, plan_request
 
 __all__ = ["FORMAT", "plan_document", "read_plan_file", "run"]

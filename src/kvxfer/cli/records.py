@@ -12,14 +12,23 @@ the previous end rounded up to :data:`REGION_ALIGN`.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, TypeVar
+from typing import Any
 
 from kvxfer._intmath import ceil_div
-from kvxfer.cli.plan_bounds import BigInt, check_spec_sizes
+from kvxfer.cli.json_fields import (
+    as_list,
+    as_object,
+    bool_field,
+    check_keys,
+    enum_field,
+    get_field,
+    int_field,
+    int_list_field,
+    str_field,
+)
+from kvxfer.cli.plan_bounds import check_spec_sizes
 from kvxfer.errors import LayoutError
 from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
 from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
@@ -30,7 +39,6 @@ from kvxfer.wire.limits import (
     MAX_RANKS,
     MAX_REGIONS,
     MAX_SMALL_INT,
-    MAX_U64,
     MAX_VIEWS,
 )
 
@@ -47,9 +55,6 @@ __all__ = [
 
 REGION_ALIGN = 1 << 20  # 1 MiB between regions of a spec shorthand
 DEFAULT_BASE_ADDR = 1 << 32  # base_addr of a spec shorthand that gives none
-
-E = TypeVar("E", bound=Enum)
-_MISSING = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,90 +80,6 @@ class PlanInput:
 # --- field readers: each names the JSON path of what it rejects -------------------------
 
 
-def _show(value: object) -> str:
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, (dict, list)):
-        return type(value).__name__
-    return repr(value) if not isinstance(value, bool) else str(value).lower()
-
-
-def _obj(value: object, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise LayoutError(f"{path}: expected object, got {_show(value)}")
-    return value
-
-
-def _check_keys(obj: Mapping[str, Any], allowed: Sequence[str], path: str) -> None:
-    for key in obj:
-        if key not in allowed:
-            raise LayoutError(f"{path}.{key}: unknown field (expected one of {', '.join(allowed)})")
-
-
-def _get(obj: Mapping[str, Any], key: str, path: str, default: object = _MISSING) -> object:
-    if key in obj:
-        return obj[key]
-    if default is _MISSING:
-        raise LayoutError(f"{path}.{key}: missing field")
-    return default
-
-
-def _bounded(value: object, where: str, hi: int) -> int:
-    """``value`` as an int of magnitude at most ``hi`` (a wire bound), or LayoutError."""
-    if isinstance(value, BigInt):
-        raise LayoutError(f"{where}: {value!r} exceeds the limit of {hi}")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LayoutError(f"{where}: expected int, got {_show(value)}")
-    if abs(value) > hi:
-        raise LayoutError(f"{where}: {value} exceeds the limit of {hi}")
-    return value
-
-
-def _int(
-    obj: Mapping[str, Any], key: str, path: str, default: object = _MISSING, hi: int = MAX_U64
-) -> int:
-    """An int field of magnitude <= ``hi``; addresses may also be hex strings (``"0x7f00..."``)."""
-    value = _get(obj, key, path, default)
-    if isinstance(value, str) and key.endswith("addr") and value.lower().startswith("0x"):
-        with contextlib.suppress(ValueError):  # hex is linear-time: no digit limit needed
-            value = int(value, 16)
-    return _bounded(value, f"{path}.{key}", hi)
-
-
-def _bool(obj: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
-    value = _get(obj, key, path, default)
-    if not isinstance(value, bool):
-        raise LayoutError(f"{path}.{key}: expected true or false, got {_show(value)}")
-    return value
-
-
-def _str(obj: Mapping[str, Any], key: str, path: str, default: str = "") -> str:
-    value = _get(obj, key, path, default)
-    if not isinstance(value, str):
-        raise LayoutError(f"{path}.{key}: expected string, got {_show(value)}")
-    return value
-
-
-def _enum(obj: Mapping[str, Any], key: str, path: str, enum: type[E], default: E) -> E:
-    value = _get(obj, key, path, default.value)
-    try:
-        return enum(value)
-    except ValueError:
-        choices = ", ".join(f'"{e.value}"' for e in enum)
-        raise LayoutError(f"{path}.{key}: expected one of {choices}, got {_show(value)}") from None
-
-
-def _list(value: object, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise LayoutError(f"{path}: expected list, got {_show(value)}")
-    return value
-
-
-def _int_list(obj: Mapping[str, Any], key: str, path: str, hi: int) -> tuple[int, ...]:
-    items = _list(_get(obj, key, path), f"{path}.{key}")
-    return tuple(_bounded(x, f"{path}.{key}[{i}]", hi) for i, x in enumerate(items))
-
-
 def _checked(path: str, build: Callable[[], CacheLayout]) -> CacheLayout:
     """Run a layout constructor, prefixing its LayoutError with ``path``."""
     try:
@@ -178,35 +99,35 @@ _RECORD_KEYS = (
 
 
 def _region(value: object, path: str) -> Region:
-    obj = _obj(value, path)
-    _check_keys(obj, _REGION_KEYS, path)
+    obj = as_object(value, path)
+    check_keys(obj, _REGION_KEYS, path)
     return Region(
-        base_addr=_int(obj, "base_addr", path),
-        num_bytes=_int(obj, "num_bytes", path),
-        device_id=_int(obj, "device_id", path, 0, MAX_SMALL_INT),
-        name=_str(obj, "name", path),
+        base_addr=int_field(obj, "base_addr", path),
+        num_bytes=int_field(obj, "num_bytes", path),
+        device_id=int_field(obj, "device_id", path, 0, MAX_SMALL_INT),
+        name=str_field(obj, "name", path),
     )
 
 
 def _view(value: object, path: str) -> View:
-    obj = _obj(value, path)
-    _check_keys(obj, _VIEW_KEYS, path)
+    obj = as_object(value, path)
+    check_keys(obj, _VIEW_KEYS, path)
     return View(
-        region=_int(obj, "region", path, hi=MAX_REGIONS),
-        offset=_int(obj, "offset", path),
-        length=_int(obj, "length", path),
-        stride=_int(obj, "stride", path),
-        count=_int(obj, "count", path, hi=MAX_COUNT),
-        kind=_enum(obj, "kind", path, ViewKind, ViewKind.ATTN),
-        shard=_enum(obj, "shard", path, Shard, Shard.HEADS),
-        name=_str(obj, "name", path),
+        region=int_field(obj, "region", path, hi=MAX_REGIONS),
+        offset=int_field(obj, "offset", path),
+        length=int_field(obj, "length", path),
+        stride=int_field(obj, "stride", path),
+        count=int_field(obj, "count", path, hi=MAX_COUNT),
+        kind=enum_field(obj, "kind", path, ViewKind, ViewKind.ATTN),
+        shard=enum_field(obj, "shard", path, Shard, Shard.HEADS),
+        name=str_field(obj, "name", path),
     )
 
 
 def _record(obj: Mapping[str, Any], path: str) -> CacheLayout:
-    _check_keys(obj, _RECORD_KEYS, path)
-    regions = _list(_get(obj, "regions", path), f"{path}.regions")
-    views = _list(_get(obj, "views", path), f"{path}.views")
+    check_keys(obj, _RECORD_KEYS, path)
+    regions = as_list(get_field(obj, "regions", path), f"{path}.regions")
+    views = as_list(get_field(obj, "views", path), f"{path}.views")
     for what, items, limit in (("regions", regions, MAX_REGIONS), ("views", views, MAX_VIEWS)):
         if len(items) > limit:
             raise LayoutError(f"{path}.{what}: {len(items)} {what} exceed the limit of {limit}")
@@ -218,17 +139,17 @@ def _record(obj: Mapping[str, Any], path: str) -> CacheLayout:
             f"{path}.views: {total} descriptors in all exceed the limit of {MAX_DESCRIPTORS}"
         )
     small = MAX_SMALL_INT
-    block_size = _int(obj, "block_size", path, hi=small)
-    num_kv_heads = _int(obj, "num_kv_heads", path, hi=small)
-    head_dim = _int(obj, "head_dim", path, hi=small)
-    dtype_bytes = _int(obj, "dtype_bytes", path, hi=small)
-    tp_rank = _int(obj, "tp_rank", path, 0, small)
-    tp_size = _int(obj, "tp_size", path, 1, small)
-    token_layout = _enum(obj, "token_layout", path, TokenLayout, TokenLayout.HND)
-    ppl = _int(obj, "ppl", path, 1, small)
-    is_mla = _bool(obj, "is_mla", path, False)
-    is_cross_layer = _bool(obj, "is_cross_layer", path, False)
-    engine_id = _str(obj, "engine_id", path)
+    block_size = int_field(obj, "block_size", path, hi=small)
+    num_kv_heads = int_field(obj, "num_kv_heads", path, hi=small)
+    head_dim = int_field(obj, "head_dim", path, hi=small)
+    dtype_bytes = int_field(obj, "dtype_bytes", path, hi=small)
+    tp_rank = int_field(obj, "tp_rank", path, 0, small)
+    tp_size = int_field(obj, "tp_size", path, 1, small)
+    token_layout = enum_field(obj, "token_layout", path, TokenLayout, TokenLayout.HND)
+    ppl = int_field(obj, "ppl", path, 1, small)
+    is_mla = bool_field(obj, "is_mla", path, False)
+    is_cross_layer = bool_field(obj, "is_cross_layer", path, False)
+    engine_id = str_field(obj, "engine_id", path)
     return _checked(
         path,
         lambda: CacheLayout(
@@ -262,31 +183,31 @@ _STATE_KEYS = ("num_layers", "conv_cols", "conv_kernel", "ssm_bytes")
 def _state(value: object, path: str) -> StateSpec | None:
     if value is None:
         return None
-    obj = _obj(value, path)
-    _check_keys(obj, _STATE_KEYS, path)
+    obj = as_object(value, path)
+    check_keys(obj, _STATE_KEYS, path)
     return StateSpec(
-        num_layers=_int(obj, "num_layers", path, hi=MAX_SMALL_INT),
-        conv_cols=_int_list(obj, "conv_cols", path, MAX_SMALL_INT),
-        conv_kernel=_int(obj, "conv_kernel", path, hi=MAX_SMALL_INT),
-        ssm_bytes=_int(obj, "ssm_bytes", path),
+        num_layers=int_field(obj, "num_layers", path, hi=MAX_SMALL_INT),
+        conv_cols=int_list_field(obj, "conv_cols", path, MAX_SMALL_INT),
+        conv_kernel=int_field(obj, "conv_kernel", path, hi=MAX_SMALL_INT),
+        ssm_bytes=int_field(obj, "ssm_bytes", path),
     )
 
 
 def _spec(value: object, path: str) -> LayoutSpec:
-    obj = _obj(value, path)
-    _check_keys(obj, _SPEC_KEYS, path)
+    obj = as_object(value, path)
+    check_keys(obj, _SPEC_KEYS, path)
     return LayoutSpec(
-        kind=_enum(obj, "kind", path, AttnKind, AttnKind.SPLIT_KV),
-        num_layers=_int(obj, "num_layers", path, hi=MAX_SMALL_INT),
-        num_blocks=_int(obj, "num_blocks", path, hi=MAX_COUNT),
-        block_size=_int(obj, "block_size", path, hi=MAX_SMALL_INT),
-        num_kv_heads=_int(obj, "num_kv_heads", path, hi=MAX_SMALL_INT),
-        head_dim=_int(obj, "head_dim", path, hi=MAX_SMALL_INT),
-        dtype_bytes=_int(obj, "dtype_bytes", path, 2, MAX_SMALL_INT),
-        tp_rank=_int(obj, "tp_rank", path, 0, MAX_SMALL_INT),
-        tp_size=_int(obj, "tp_size", path, 1, MAX_SMALL_INT),
-        token_layout=_enum(obj, "token_layout", path, TokenLayout, TokenLayout.HND),
-        ppl=_int(obj, "ppl", path, 1, MAX_SMALL_INT),
+        kind=enum_field(obj, "kind", path, AttnKind, AttnKind.SPLIT_KV),
+        num_layers=int_field(obj, "num_layers", path, hi=MAX_SMALL_INT),
+        num_blocks=int_field(obj, "num_blocks", path, hi=MAX_COUNT),
+        block_size=int_field(obj, "block_size", path, hi=MAX_SMALL_INT),
+        num_kv_heads=int_field(obj, "num_kv_heads", path, hi=MAX_SMALL_INT),
+        head_dim=int_field(obj, "head_dim", path, hi=MAX_SMALL_INT),
+        dtype_bytes=int_field(obj, "dtype_bytes", path, 2, MAX_SMALL_INT),
+        tp_rank=int_field(obj, "tp_rank", path, 0, MAX_SMALL_INT),
+        tp_size=int_field(obj, "tp_size", path, 1, MAX_SMALL_INT),
+        token_layout=enum_field(obj, "token_layout", path, TokenLayout, TokenLayout.HND),
+        ppl=int_field(obj, "ppl", path, 1, MAX_SMALL_INT),
         state=_state(obj.get("state"), f"{path}.state"),
     )
 
@@ -311,11 +232,11 @@ def _span(sizes: Sequence[int], align: int = REGION_ALIGN) -> int:
 
 def _shorthand(obj: Mapping[str, Any], path: str, rank_index: int | None = None) -> CacheLayout:
     """Build a spec shorthand; with ``rank_index``, override the rank and shift the base."""
-    _check_keys(obj, _SHORTHAND_KEYS, path)
+    check_keys(obj, _SHORTHAND_KEYS, path)
     spec_path = f"{path}.spec"
-    base = _int(obj, "base_addr", path, DEFAULT_BASE_ADDR)
-    device_id = _int(obj, "device_id", path, 0, MAX_SMALL_INT)
-    engine_id = _str(obj, "engine_id", path)
+    base = int_field(obj, "base_addr", path, DEFAULT_BASE_ADDR)
+    device_id = int_field(obj, "device_id", path, 0, MAX_SMALL_INT)
+    engine_id = str_field(obj, "engine_id", path)
     spec = _spec(obj["spec"], spec_path)
     check_spec_sizes(spec, spec_path, 1 if rank_index is None else spec.tp_size)
     try:
@@ -330,7 +251,7 @@ def _shorthand(obj: Mapping[str, Any], path: str, rank_index: int | None = None)
 
 def parse_side(value: object, path: str) -> CacheLayout:
     """One rank's layout from an explicit record or a spec shorthand at ``path``."""
-    obj = _obj(value, path)
+    obj = as_object(value, path)
     if "spec" in obj:
         return _shorthand(obj, path)
     return _record(obj, path)
@@ -356,17 +277,17 @@ def parse_engine(value: object, path: str) -> dict[int, CacheLayout]:
                 raise LayoutError(f"{path}[{i}].tp_rank: rank {lay.tp_rank} given twice")
             out[lay.tp_rank] = lay
         return dict(sorted(out.items()))
-    obj = _obj(value, path)
+    obj = as_object(value, path)
     if "spec" not in obj:
         lay = _record(obj, path)
         return {lay.tp_rank: lay}
-    spec_obj = _obj(obj["spec"], f"{path}.spec")
+    spec_obj = as_object(obj["spec"], f"{path}.spec")
     if "tp_rank" in spec_obj:
         raise LayoutError(
             f"{path}.spec.tp_rank: not allowed when the remote engine is one spec "
             "(every rank of tp_size is expanded); give a list of records instead"
         )
-    tp_size = _int(spec_obj, "tp_size", f"{path}.spec", 1, MAX_SMALL_INT)
+    tp_size = int_field(spec_obj, "tp_size", f"{path}.spec", 1, MAX_SMALL_INT)
     if tp_size <= 0:
         raise LayoutError(f"{path}.spec.tp_size: must be > 0, got {tp_size}")
     check_spec_sizes(_spec(spec_obj, f"{path}.spec"), f"{path}.spec", tp_size)
@@ -382,19 +303,19 @@ _REQUEST_KEYS = (
 def _request(value: object, path: str) -> RequestInput | None:
     if value is None:
         return None
-    obj = _obj(value, path)
-    _check_keys(obj, _REQUEST_KEYS, path)
+    obj = as_object(value, path)
+    check_keys(obj, _REQUEST_KEYS, path)
     ids = {
-        k: _int_list(obj, k, path, MAX_BLOCK_ID)
+        k: int_list_field(obj, k, path, MAX_BLOCK_ID)
         for k in ("local_block_ids", "remote_block_ids", "local_state_ids", "remote_state_ids")
-        if k in obj or not k.endswith("state_ids")  # block ids are required: _get names them
+        if k in obj or not k.endswith("state_ids")  # block ids are required: get_field names them
     }
     return RequestInput(
         local_block_ids=ids["local_block_ids"],
         remote_block_ids=ids["remote_block_ids"],
         local_state_ids=ids.get("local_state_ids"),
         remote_state_ids=ids.get("remote_state_ids"),
-        num_cached_blocks=_int(obj, "num_cached_blocks", path, 0, MAX_BLOCK_ID),
+        num_cached_blocks=int_field(obj, "num_cached_blocks", path, 0, MAX_BLOCK_ID),
     )
 
 
@@ -407,7 +328,7 @@ def load_plan_input(data: object) -> PlanInput:
     Raises:
         LayoutError: the first bad field, named by its JSON path.
     """
-    obj = _obj(data, "$")
+    obj = as_object(data, "$")
     for key in obj:
         if key not in ("local", "remote", "request", "description"):
             raise LayoutError(

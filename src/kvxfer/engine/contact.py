@@ -23,7 +23,7 @@ from kvxfer.engine.waiting import Progress
 from kvxfer.errors import ClosedError, ConfigError, KvxferError, LayoutError, PeerLostError
 from kvxfer.layout.model import MemKind, region_places, single_place
 from kvxfer.planning.pairing import pair_layouts
-from kvxfer.transport.side_channel import fetch_records
+from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import Heartbeat, LayoutRecord, encode_msg, layout_from_record
 
 __all__ = ["FirstContact"]

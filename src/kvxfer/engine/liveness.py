@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 
 from kvxfer.errors import KvxferError, PeerLostError
-from kvxfer.transport.side_channel import fetch_records
+from kvxfer.transport.side_client import fetch_records
 
 __all__ = ["PeerMonitor"]
 

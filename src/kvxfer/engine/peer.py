@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvxfer.errors import KvxferError
 from kvxfer.layout.model import MemKind
-from kvxfer.planning.pairing import PeerPlan
+from kvxfer.planning.plans import PeerPlan
 from kvxfer.transport.nixl import PreparedList
 
 __all__ = ["PeerInfo"]

@@ -25,23 +25,20 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import cast
 
+from kvxfer.engine.push_peer import ConsumerPeer, PushJob, consumer_peer
 from kvxfer.engine.rank import RankCache
 from kvxfer.errors import KvxferError, PeerLostError, TransferError
-from kvxfer.layout.model import MemKind, region_places, single_place
-from kvxfer.planning.pairing import PeerPlan, pair_layouts
 from kvxfer.planning.request import RequestIds
-from kvxfer.transport.nixl import PreparedList, XferHandle, XferOp, XferState
-from kvxfer.transport.side_channel import fetch_records
+from kvxfer.transport.nixl import XferOp, XferState
+from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import (
     Failed,
     LayoutRecord,
     PushRequest,
     WriteDone,
     encode_msg,
-    layout_from_record,
 )
 from kvxfer.wire.messages import Cancelled
 
@@ -53,25 +50,6 @@ log = logging.getLogger(__name__)
 MAX_CANCELLED = 4096  # remembered cancelled attempts (a bounded LRU)
 MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived thread)
 MAX_PARKED = 256  # pushes waiting for one consumer's records
-
-
-@dataclass(slots=True)
-class _ConsumerPeer:
-    agents: dict[int, str]  # consumer rank -> agent name
-    plans: dict[int, PeerPlan]  # consumer rank -> its pairing with this producer engine
-    generation: int = 0  # the consumer incarnation these agents belong to
-    mem_kinds: dict[int, MemKind] = field(default_factory=dict)  # consumer rank -> memory
-    lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Job:
-    rank: int  # producer rank that received the request
-    sender: str  # agent that sent it: the job is bound to it
-    req: PushRequest
-    deadline: float  # local monotonic seconds
-    xfer: XferHandle | None = None
-    fetched: bool = False  # its consumer's records were fetched once already
 
 
 _Cmd = tuple[str, object] | None
@@ -116,9 +94,9 @@ class PushWorker:
         self._strided = strided
         self._run_blocks = run_blocks
         self._jobs: queue.Queue[_Cmd] = queue.Queue()
-        self._peers: dict[str, _ConsumerPeer] = {}
-        self._fetching: dict[str, list[_Job]] = {}  # address -> jobs waiting for its records
-        self._writes: list[_Job] = []
+        self._peers: dict[str, ConsumerPeer] = {}
+        self._fetching: dict[str, list[PushJob]] = {}  # address -> jobs waiting for its records
+        self._writes: list[PushJob] = []
         self._lock = threading.Lock()
         self._cancelled: OrderedDict[tuple[int, str, int], None] = OrderedDict()
         self.num_failed = 0
@@ -130,7 +108,7 @@ class PushWorker:
     def submit(self, rank: int, sender: str, req: PushRequest, deadline: float) -> None:
         """Queue a push request received by producer rank ``rank`` from agent ``sender``;
         no WRITE of it starts after ``deadline`` (monotonic seconds)."""
-        self._jobs.put(("push", _Job(rank, sender, req, deadline)))
+        self._jobs.put(("push", PushJob(rank, sender, req, deadline)))
 
     def cancel(self, rank: int, sender: str, request_id: str, attempt: int) -> None:
         """Abort from ``sender``: drop queued jobs of ``attempt`` at once, release its
@@ -180,7 +158,7 @@ class PushWorker:
             rank, sender, rid, attempt = cast(tuple[int, str, str, int], arg)
             self._cancel(rank, sender, rid, attempt)
             return
-        assert isinstance(arg, _Job)
+        assert isinstance(arg, PushJob)
         try:
             self._start(arg)
         except KvxferError as e:
@@ -191,11 +169,11 @@ class PushWorker:
             self._fail(arg, err)
             raise
 
-    def _is_cancelled(self, job: _Job) -> bool:
+    def _is_cancelled(self, job: PushJob) -> bool:
         with self._lock:
             return (job.rank, job.sender, job.req.attempt) in self._cancelled
 
-    def _confirm(self, job: _Job) -> None:
+    def _confirm(self, job: PushJob) -> None:
         """Tell the job's consumer rank nothing more of this attempt will be written."""
         self.num_cancelled += 1
         msg = Cancelled(job.req.request_id, self._generation, job.req.attempt, job.rank)
@@ -223,7 +201,7 @@ class PushWorker:
         msg = Cancelled(request_id, self._generation, attempt, rank)
         self._notify(rank, sender, msg)  # idempotent: also for jobs done or never seen
 
-    def _release(self, job: _Job) -> None:
+    def _release(self, job: PushJob) -> None:
         if job.xfer is not None:
             try:
                 job.xfer.release()  # NIXL cancels a WRITE still in flight
@@ -231,7 +209,7 @@ class PushWorker:
                 log.debug("release of a cancelled write: %s", e)
             job.xfer = None
 
-    def _peer(self, address: str, generation: int) -> _ConsumerPeer | None:
+    def _peer(self, address: str, generation: int) -> ConsumerPeer | None:
         """The consumer peer at ``address`` (of ``generation``, 0: any), or None when its
         records are still being fetched."""
         peer = self._peers.get(address)
@@ -239,7 +217,7 @@ class PushWorker:
             return peer
         return None
 
-    def _park(self, job: _Job) -> None:
+    def _park(self, job: PushJob) -> None:
         """Park a job until its consumer's records arrive; fetch them in another thread
         (bounded: MAX_FETCHES addresses at once, MAX_PARKED jobs per address)."""
         address = job.req.consumer_address
@@ -286,23 +264,7 @@ class PushWorker:
     def _install(self, address: str, recs: list[LayoutRecord]) -> None:
         if address in self._peers:  # the consumer restarted at this address: forget the old one
             self._drop(address)
-        gens = {r.generation for r in recs}
-        layouts = {r.tp_rank: layout_from_record(r) for r in recs}
-        mine = {p: c.layout for p, c in self._ranks.items()}
-        runs = self._run_blocks
-        plans = {  # this process may host only some producer ranks: plan those
-            d: pair_layouts(lay, mine, max_run_blocks=runs, require_all=False)
-            for d, lay in layouts.items()
-        }
-        kinds = {
-            r: single_place(region_places(lay.regions), f"consumer {address} rank {r} regions")[0]
-            for r, lay in layouts.items()
-        }
-        for cache in self._ranks.values():
-            for rec in recs:
-                cache.backend.add_remote(rec.agent_metadata)
-        agents = {r.tp_rank: r.agent_name for r in recs}
-        self._peers[address] = _ConsumerPeer(agents, plans, min(gens, default=0), kinds)
+        self._peers[address] = consumer_peer(address, recs, self._ranks, self._run_blocks)
 
     def _drop(self, address: str) -> None:
         peer = self._peers.pop(address)
@@ -316,7 +278,7 @@ class PushWorker:
                 except KvxferError as e:
                     log.debug("remove_remote %s: %s", agent, e)
 
-    def _start(self, job: _Job) -> None:
+    def _start(self, job: PushJob) -> None:
         req, rank = job.req, job.rank
         if req.generation != self._generation:
             raise TransferError(
@@ -404,7 +366,7 @@ class PushWorker:
                 self._fail(job, e)
         self._writes = still
 
-    def _fail(self, job: _Job, error: KvxferError) -> None:
+    def _fail(self, job: PushJob, error: KvxferError) -> None:
         self.num_failed += 1
         self._release(job)
         self._writes = [j for j in self._writes if j is not job]

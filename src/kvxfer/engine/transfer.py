@@ -1,12 +1,11 @@
 """One request in flight on the consumer side: the :class:`Transfer` handle and its state
 machine (PENDING until first contact, post and completion; then one terminal state),
 driven through the narrow :class:`RequestContext` its consumer hands it. The producer it
-names is a :class:`~kvxfer.engine.peer.PeerInfo`."""
+names is a :class:`~kvxfer.engine.peer.PeerInfo`; waiting on its end is
+:class:`~kvxfer.engine.request_end.RequestEnd`'s."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import secrets
 import threading
@@ -18,10 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.engine.config import EngineConfig, RequestState, check_seconds
+from kvxfer.engine.config import EngineConfig, RequestState
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache
 from kvxfer.engine.relayout import relayout_bsr
+from kvxfer.engine.request_end import RequestEnd
 from kvxfer.errors import (
     CancelledError,
     ClosedError,
@@ -30,9 +30,8 @@ from kvxfer.errors import (
     LeaseExpiredError,
     PeerLostError,
     TransferError,
-    WaitTimeout,
 )
-from kvxfer.planning.pairing import PeerPlan
+from kvxfer.planning.plans import PeerPlan
 from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import XferHandle, XferOp, XferState
 from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
@@ -40,7 +39,6 @@ from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
 __all__ = ["RequestContext", "Transfer", "new_attempt", "num_bytes"]
 
 log = logging.getLogger(__name__)
-_DEADLINE_SLACK_S = 0.05  # a waiter without its own timeout wakes this long past the deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +78,7 @@ def new_attempt() -> int:
 
 
 @dataclass(slots=True, eq=False)
-class Transfer:
+class Transfer(RequestEnd):
     """One request attempt moved by every (selected) local rank. Poll or wait; never
     blocks forever.
 
@@ -125,32 +123,11 @@ class Transfer:
     _ended: threading.Event = field(default_factory=threading.Event, repr=False)
     _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
-    def on_end(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call ``callback()`` (from whichever thread ends the request, under the engine
-        lock: keep it short) once the request is terminal; at once if it already is.
-        Returns a function that unregisters it."""
-        with self.context.lock:
-            if self.state.is_terminal:
-                callback()
-                return lambda: None
-            self._on_end.append(callback)
+    def _engine_lock(self) -> threading.RLock:
+        return self.context.lock
 
-        def remove() -> None:
-            with self.context.lock:
-                if callback in self._on_end:
-                    self._on_end.remove(callback)
-
-        return remove
-
-    def _ended_now(self) -> None:
-        """The request just became terminal (under the lock): wake whoever waits."""
-        self._ended.set()
-        callbacks, self._on_end = self._on_end, []
-        for cb in callbacks:
-            try:
-                cb()
-            except Exception as e:  # a waiter's callback never breaks the state machine
-                log.warning("request %r: end callback failed: %s", self.request_id, e)
+    def _watch(self) -> None:
+        self.context.watch(self)
 
     @property
     def quarantined(self) -> bool:
@@ -185,73 +162,6 @@ class Transfer:
                 self._fail(ClosedError(f"consumer closed: request {self.request_id!r} aborted"))
                 return self.state
             return self._step()
-
-    def _wait_until(self, timeout_s: float | None) -> float:
-        """When a wait of ``timeout_s`` ends (never past the request's own deadline)."""
-        if timeout_s is None:
-            return self.deadline
-        check_seconds("timeout_s", timeout_s, allow_zero=True)
-        return min(self.deadline, time.monotonic() + timeout_s)
-
-    def wait(self, timeout_s: float | None = None) -> RequestState:
-        """Block until terminal or ``timeout_s`` (the request's own deadline always
-        applies). Sleeps on the request's end: after one step here (which may post it),
-        the consumer's progress thread drives the request.
-
-        Raises:
-            ConfigError (a ValueError): ``timeout_s`` is NaN, infinite or negative.
-        """
-        until = self._wait_until(timeout_s)
-        if self.poll().is_terminal:
-            return self.state
-        self.context.watch(self)
-        # past the deadline the progress thread ends it TIMEOUT; the slack covers its sweep
-        slack = 0.0 if timeout_s is not None else _DEADLINE_SLACK_S
-        if not self._ended.wait(max(0.0, until - time.monotonic()) + slack):
-            return self.poll()  # the caller's time is up (or the sweep was late: step now)
-        return self.state
-
-    def result(self, timeout_s: float | None = None) -> None:
-        """Wait; raise the request's error unless it ended DONE.
-
-        Raises:
-            WaitTimeout: the caller's ``timeout_s`` ran out first (the request goes on).
-            DeadlineError: the request's own deadline passed (it ended TIMEOUT).
-        """
-        state = self.wait(timeout_s)
-        if state is RequestState.DONE:
-            return
-        if self.error is not None:
-            raise self.error
-        raise WaitTimeout(f"request {self.request_id!r} still {state.value} after {timeout_s} s")
-
-    async def wait_async(self, timeout_s: float | None = None) -> RequestState:
-        """:meth:`wait` for asyncio code: awaits the request's end (the consumer's progress
-        thread drives it and wakes this loop), never blocks the event loop."""
-        until = self._wait_until(timeout_s)
-        if self.poll().is_terminal:
-            return self.state
-        loop = asyncio.get_running_loop()
-        ended = loop.create_future()
-
-        def wake() -> None:  # from the thread that ended the request
-            def settle() -> None:
-                if not ended.done():
-                    ended.set_result(None)
-
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(settle)
-
-        remove = self.on_end(wake)
-        self.context.watch(self)
-        slack = 0.0 if timeout_s is not None else _DEADLINE_SLACK_S
-        try:
-            await asyncio.wait_for(ended, max(0.0, until - time.monotonic()) + slack)
-        except TimeoutError:
-            return self.poll()
-        finally:
-            remove()
-        return self.state
 
     @property
     def latency_s(self) -> float:

@@ -2,7 +2,8 @@
 Values in, values out (NumPy arrays and frozen dataclasses); no I/O."""
 
 from kvxfer.planning.descriptors import dense_rows, layout_rows, reference_rows, row_starts
-from kvxfer.planning.pairing import PeerPlan, SourcePlan, pair_layouts
+from kvxfer.planning.pairing import pair_layouts
+from kvxfer.planning.plans import PeerPlan, SourcePlan
 from kvxfer.planning.request import RequestIds, RequestPlan, SourceIds, plan_request
 from kvxfer.planning.tp import TpPlan, plan_tp
 

@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from kvxfer.errors import LayoutError
 from kvxfer.planning.descriptors import LEN, STRIDE
-from kvxfer.planning.pairing import PeerPlan, SourcePlan
+from kvxfer.planning.plans import PeerPlan, SourcePlan
 
 __all__ = ["RequestIds", "RequestPlan", "SourceIds", "expand_ids", "plan_request"]
 

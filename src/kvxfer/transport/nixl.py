@@ -1,9 +1,10 @@
-"""NIXL behind one small interface: the only module in kvxfer that imports ``nixl_cu12``.
+"""NIXL behind one small interface.
 
 :class:`NixlBackend` owns one NIXL agent (UCX backend, DRAM and VRAM where NIXL's UCX
 plugin was built with CUDA): register memory, exchange
 metadata, prepare descriptor lists, make / post / poll transfers, notify. Every NIXL
-exception and error status becomes a kvxfer error here (:func:`_translate`).
+exception and error status becomes a kvxfer error
+(:mod:`kvxfer.transport.nixl_binding`, the only module that imports ``nixl_cu12``).
 
 Ownership: prepared lists and transfer handles belong to the backend that made them;
 ``release()`` is idempotent; ``remove_remote`` releases everything made for that peer
@@ -15,19 +16,16 @@ which spins a full core per agent.
 from __future__ import annotations
 
 import contextlib
-import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvxfer.errors import (
     AuthError,
-    BackendUnavailableError,
     ConfigError,
     KvxferError,
     LayoutError,
-    PeerLostError,
     ProtocolError,
     TransferError,
 )
@@ -42,6 +40,18 @@ from kvxfer.transport.backend import (
     check_rows,
 )
 from kvxfer.transport.handles import PreparedList, XferHandle
+from kvxfer.transport.nixl_binding import (
+    NIXL_ERRORS,
+    NIXL_INSTALL_LINE,
+    is_available,
+    new_agent,
+    peek_agent_name,
+    require,
+    segment,
+    translate,
+    xfer_state,
+)
+from kvxfer.transport.nixl_binding import bindings as _nixl
 from kvxfer.wire.auth import open_notification, seal_notification
 
 __all__ = [
@@ -53,96 +63,6 @@ __all__ = [
     "XferState",
     "is_available",
 ]
-
-# Imported once, guarded: without NIXL, planning and the CLI still work and building a
-# backend raises BackendUnavailableError with the install line.
-_import_error: ImportError | None = None
-try:
-    import nixl_cu12._bindings as _nixl
-except ImportError as _exc:
-    _nixl, _import_error = None, _exc
-
-NIXL_INSTALL_LINE = "pip install --no-deps nixl-cu12"
-_WHY_NO_DEPS = (
-    "--no-deps because the nixl-cu12 wheel declares torch, which it never imports, and a "
-    "bare torch requirement pulls a multi-GB CUDA build"
-)
-
-_MD_HEADER = b"nixlSerDes|Agent"  # metadata blob: header, u64 LE name length, name
-_NIXL_ERRORS: tuple[type[Exception], ...] = (
-    *(
-        cls
-        for name, cls in (vars(_nixl).items() if _nixl is not None else ())
-        if name.startswith("nixl") and isinstance(cls, type) and issubclass(cls, Exception)
-    ),
-    RuntimeError,  # pybind11's translation of an unmapped C++ exception
-)
-_DEFAULT_MAP: dict[str, type[KvxferError]] = {"nixlRemoteDisconnectError": PeerLostError}
-
-
-def is_available() -> bool:
-    """True if ``nixl_cu12`` imported, i.e. :class:`NixlBackend` can be built."""
-    return _nixl is not None
-
-
-def _require() -> None:
-    """Raise BackendUnavailableError, with the exact install line, if NIXL did not import."""
-    if _nixl is None:
-        raise BackendUnavailableError(
-            f"NIXL is not installed (import nixl_cu12 failed: {_import_error}). Producers, "
-            f"consumers and NixlBackend need it: {NIXL_INSTALL_LINE}  ({_WHY_NO_DEPS}). "
-            "Planning and `kvxfer plan` work without it; kvxfer.testing.MemoryBackend runs "
-            "transfers in one process without it."
-        ) from _import_error
-
-
-@contextlib.contextmanager
-def _translate(
-    action: str, peer: str | None = None, **special: type[KvxferError]
-) -> Iterator[None]:
-    """Re-raise NIXL failures in the block as kvxfer errors, the original in ``__cause__``.
-
-    ``special`` maps a NIXL exception class name to the kvxfer class to raise; otherwise
-    a remote disconnect is PeerLostError and anything else TransferError. ``peer`` (an
-    agent name) goes into the message.
-    """
-    try:
-        yield
-    except _NIXL_ERRORS as exc:
-        kind = type(exc).__name__
-        cls = special.get(kind) or _DEFAULT_MAP.get(kind, TransferError)
-        where = f" (agent {peer!r})" if peer else ""
-        raise cls(f"{action}{where} failed: {kind}: {exc}") from exc
-
-
-def _state(status: Any, action: str, peer: str | None) -> XferState:
-    """Map a ``nixl_status_t`` from post/poll to a state; any error status raises."""
-    if status == _nixl.NIXL_SUCCESS:
-        return XferState.DONE
-    if status == _nixl.NIXL_IN_PROG:
-        return XferState.IN_PROGRESS
-    name = getattr(status, "name", str(status))
-    cls = PeerLostError if "DISCONNECT" in name else TransferError
-    raise cls(f"{action} (agent {peer!r}) returned {name}")
-
-
-def _segment(kind: MemKind) -> Any:
-    """NIXL's segment type for a memory kind."""
-    return _nixl.VRAM_SEG if kind is MemKind.VRAM else _nixl.DRAM_SEG
-
-
-def _peek_agent_name(blob: bytes) -> str | None:
-    """The agent name in a NIXL metadata blob's header, or None if it does not parse."""
-    if not blob.startswith(_MD_HEADER) or len(blob) < len(_MD_HEADER) + 8:
-        return None
-    (size,) = struct.unpack_from("<Q", blob, len(_MD_HEADER))
-    start = len(_MD_HEADER) + 8
-    if size > 4096 or start + size > len(blob):
-        return None
-    try:
-        return blob[start : start + size].decode()
-    except UnicodeDecodeError:
-        return None
 
 
 class NixlBackend:
@@ -177,7 +97,7 @@ class NixlBackend:
         thread_safe: bool = False,
         auth_key: bytes | None = None,
     ) -> None:
-        _require()
+        require()
         self._auth_key = auth_key
         self.num_unauthenticated = 0  # notifications dropped: not sealed with our key
         if progress_delay_us < 0 or num_threads < 0:
@@ -185,22 +105,9 @@ class NixlBackend:
                 f"progress_delay_us and num_threads must be >= 0, got {progress_delay_us}, "
                 f"{num_threads}"
             )
-        sync = _nixl.NIXL_THREAD_SYNC_STRICT if thread_safe else _nixl.NIXL_THREAD_SYNC_NONE
-        cfg = _nixl.nixlAgentConfig()
-        cfg.useProgThread = progress_thread
-        cfg.useListenThread = False
-        cfg.pthrDelay = progress_delay_us
-        cfg.syncMode = sync
-        cfg.captureTelemetry = False
-        init = {"num_threads": str(num_threads)} if num_threads else {}
-        init.update(backend_params or {})
-        with _translate(f"creating agent {name!r}"):
-            agent = _nixl.nixlAgent(name, cfg)
-            if "UCX" not in agent.getAvailPlugins():
-                raise TransferError("the NIXL UCX plugin is not available")
-            backend = agent.createBackend("UCX", init)
-            _params, mems = agent.getBackendParams(backend)
-        self.mem_kinds = frozenset(k for k in MemKind if f"{k.value}_SEG" in set(mems))
+        agent, self.mem_kinds = new_agent(
+            name, progress_thread, progress_delay_us, num_threads, backend_params, thread_safe
+        )
         self.name = name
         self._agent: Any = agent
         self._registered: list[Any] = []  # nixlRegDList per register() call
@@ -232,7 +139,7 @@ class NixlBackend:
             with contextlib.suppress(KvxferError):
                 self.remove_remote(name)
         for dlist in self._registered:
-            with contextlib.suppress(*_NIXL_ERRORS):
+            with contextlib.suppress(*NIXL_ERRORS):
                 self._agent.deregisterMem(dlist, [])
         self._registered.clear()
         self._agent = None  # the binding's destructor joins the progress thread
@@ -255,14 +162,14 @@ class NixlBackend:
                 UCX backend cannot move that kind.
         """
         agent = self._live()
-        seg = _segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
+        seg = segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         if not regions:
             raise LayoutError("no regions to register")
         for i, (addr, nbytes, dev) in enumerate(regions):
             if addr <= 0 or nbytes <= 0 or dev < 0:
                 raise LayoutError(f"region {i}: addr {addr}, nbytes {nbytes}, device {dev}")
         dlist = _nixl.nixlRegDList(seg, [(a, n, d, "") for a, n, d in regions])
-        with _translate("register_memory"):
+        with translate("register_memory"):
             agent.registerMem(dlist, [])
         self._registered.append(dlist)
 
@@ -272,7 +179,7 @@ class NixlBackend:
         Returns:
             Opaque bytes for the peer's :meth:`add_remote`.
         """
-        with _translate("get_local_metadata"):
+        with translate("get_local_metadata"):
             return bytes(self._live().getLocalMD())
 
     def add_remote(self, blob: bytes) -> str:
@@ -287,10 +194,10 @@ class NixlBackend:
         agent = self._live()
         if not isinstance(blob, bytes) or not blob:
             raise ProtocolError("agent metadata must be non-empty bytes")
-        known = _peek_agent_name(blob)
+        known = peek_agent_name(blob)
         if known is not None and known in self._remotes:
             self.remove_remote(known)
-        with _translate("add_remote_agent", known, nixlMismatchError=ProtocolError):
+        with translate("add_remote_agent", known, nixlMismatchError=ProtocolError):
             raw = agent.loadRemoteMD(blob)
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._remotes.add(name)
@@ -313,7 +220,7 @@ class NixlBackend:
             plist._lost = True
         if name in self._remotes:
             self._remotes.discard(name)
-            with _translate("remove_remote_agent", name):
+            with translate("remove_remote_agent", name):
                 agent.invalidateRemoteMD(name)
 
     def prepare(
@@ -339,7 +246,7 @@ class NixlBackend:
             The prepared list; indices into it are flat, view-major and block-minor.
         """
         agent = self._live()
-        seg = _segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
+        seg = segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         rows, num = check_rows(rows)
         width = rows.shape[1]
         if remote_agent is not None and remote_agent not in self._remotes | {self.name}:
@@ -349,7 +256,7 @@ class NixlBackend:
         handle: int | None = None
         if width == 5 and strided and self._strided_ok:
             try:
-                with _translate(action, peer):
+                with translate(action, peer):
                     handle = agent.prepXferDlist(target, seg, rows, [])
             except TypeError:  # this NIXL has no (N, 5) overload: expand below
                 self._strided_ok = False
@@ -357,7 +264,7 @@ class NixlBackend:
         if handle is None:
             dense = dense_rows(rows) if width == 5 else rows  # (num, 3) uint64
             dlist = _nixl.nixlXferDList(seg, dense)
-            with _translate(action, peer):
+            with translate(action, peer):
                 handle = agent.prepXferDlist(target, dlist, [])
         plist = PreparedList(self, int(handle), num, is_strided, remote_agent)
         self._prepared[int(handle)] = plist
@@ -368,7 +275,7 @@ class NixlBackend:
         if handle is None:
             return
         self._prepared.pop(handle, None)
-        with _translate("release_dlist_handle", plist.remote_agent):
+        with translate("release_dlist_handle", plist.remote_agent):
             self._live().releasedDlistH(handle)
 
     def make_xfer(
@@ -403,7 +310,7 @@ class NixlBackend:
         if lids.size != rids.size:
             raise LayoutError(f"local_ids has {lids.size} ids, remote_ids {rids.size}")
         code = _nixl.NIXL_READ if op is XferOp.READ else _nixl.NIXL_WRITE
-        with _translate(f"make {op.value}", remote.remote_agent):
+        with translate(f"make {op.value}", remote.remote_agent):
             if notif and self._auth_key is not None:
                 notif = seal_notification(self._auth_key, self.name, notif)
             raw = agent.makeXferReq(code, lhandle, lids, rhandle, rids, notif, [], False)
@@ -420,9 +327,9 @@ class NixlBackend:
         Returns:
             DONE or IN_PROGRESS; a failure raises TransferError / PeerLostError.
         """
-        with _translate(f"post {xfer.op.value}", xfer.remote_agent):
+        with translate(f"post {xfer.op.value}", xfer.remote_agent):
             status = self._live().postXferReq(xfer._live(), "")
-        return _state(status, f"post {xfer.op.value}", xfer.remote_agent)
+        return xfer_state(status, f"post {xfer.op.value}", xfer.remote_agent)
 
     def poll(self, xfer: XferHandle) -> XferState:
         """Check a posted transfer. NIXL has no deadline: the caller keeps one.
@@ -433,9 +340,9 @@ class NixlBackend:
         Returns:
             DONE or IN_PROGRESS; a failure raises TransferError / PeerLostError.
         """
-        with _translate(f"poll {xfer.op.value}", xfer.remote_agent):
+        with translate(f"poll {xfer.op.value}", xfer.remote_agent):
             status = self._live().getXferStatus(xfer._live())
-        return _state(status, f"poll {xfer.op.value}", xfer.remote_agent)
+        return xfer_state(status, f"poll {xfer.op.value}", xfer.remote_agent)
 
     def release(self, xfer: XferHandle) -> None:
         """Free a transfer request; NIXL cancels one still in progress. Idempotent.
@@ -447,7 +354,7 @@ class NixlBackend:
         if handle is None:
             return
         self._xfers.pop(handle, None)
-        with _translate("release_xfer_handle", xfer.remote_agent):
+        with translate("release_xfer_handle", xfer.remote_agent):
             self._live().releaseXferReq(handle)
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
@@ -459,7 +366,7 @@ class NixlBackend:
         """
         if self._auth_key is not None:
             msg = seal_notification(self._auth_key, self.name, msg)
-        with _translate("send_notif", remote_agent):
+        with translate("send_notif", remote_agent):
             status = self._live().genNotif(remote_agent, msg)
         if status != _nixl.NIXL_SUCCESS:
             raise TransferError(f"send_notif to {remote_agent!r} returned {status}")
@@ -470,7 +377,7 @@ class NixlBackend:
         Returns:
             Remote agent name -> messages in arrival order (peers without any are absent).
         """
-        with _translate("get_notifs"):
+        with translate("get_notifs"):
             notifs = self._live().getNotifs({}, [])
         out = {str(name): list(msgs) for name, msgs in notifs.items()}
         if self._auth_key is None:

@@ -1,0 +1,154 @@
+"""The handshake side channel over ZMQ, client side: :func:`fetch_records` asks a
+producer's :class:`~kvxfer.transport.side_channel.SideChannelServer` for its ranks'
+records (frames and authentication as described there)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import zmq
+
+from kvxfer.errors import AuthError, ConfigError, IncompatibleError, PeerLostError, ProtocolError
+from kvxfer.wire import (
+    MAX_RANKS,
+    MAX_SIDE_REPLY_BYTES,
+    ErrorReply,
+    GetRecords,
+    LayoutRecord,
+    Records,
+    decode_record,
+    decode_side,
+    encode_side,
+)
+from kvxfer.wire.auth import (
+    ENV_KEY,
+    SEAL_OVERHEAD,
+    SIDE_REPLY,
+    SIDE_REQUEST,
+    Sealer,
+    is_sealed,
+    open_frame,
+)
+
+__all__ = ["fetch_records"]
+
+
+_CLIENT_SEALERS: dict[bytes, Sealer] = {}
+_CLIENT_LOCK = threading.Lock()
+
+
+def _client_sealer(key: bytes) -> Sealer:
+    """One request sealer per key and process (one replay stream per client process)."""
+    with _CLIENT_LOCK:
+        sealer = _CLIENT_SEALERS.get(key)
+        if sealer is None:
+            if len(_CLIENT_SEALERS) >= 16:
+                _CLIENT_SEALERS.clear()
+            sealer = _CLIENT_SEALERS[key] = Sealer(key, SIDE_REQUEST, f"fetch-{os.getpid()}")
+        return sealer
+
+
+def _open_reply(address: str, frame: bytes, key: bytes | None, request: bytes) -> bytes:
+    """The plain reply bytes of ``frame``; AuthError when the two sides' keys disagree."""
+    if key is None:
+        if is_sealed(frame):
+            raise AuthError(f"side channel {address}: sealed reply to a plain request")
+        return frame
+    if not is_sealed(frame):
+        reply = decode_side(frame, MAX_SIDE_REPLY_BYTES)
+        what = f"{reply.code}: {reply.message}" if isinstance(reply, ErrorReply) else "records"
+        raise AuthError(
+            f"side channel {address}: the server did not authenticate its reply ({what}); "
+            "both sides need the same deployment key"
+        )
+    try:
+        opened = open_frame(
+            key,
+            frame,
+            SIDE_REPLY,
+            context=request[-32:],  # the request's tag: this reply answers this request
+            max_bytes=MAX_SIDE_REPLY_BYTES + SEAL_OVERHEAD,
+        )
+    except AuthError as e:
+        raise AuthError(f"side channel {address}: reply failed authentication: {e}") from None
+    return opened.payload
+
+
+def fetch_records(
+    address: str,
+    ranks: list[int] | None,
+    expected_hash: str,
+    timeout_s: float,
+    *,
+    auth_key: bytes | None = None,
+) -> list[LayoutRecord]:
+    """Fetch and decode the handshake records of ``ranks`` (None: all) from ``address``.
+
+    Uses a fresh DEALER socket per call, so it is thread-safe. The peer gets
+    ``timeout_s`` to answer, counted from the request being queued: a caller held up
+    before it could wait (a starved thread on a loaded machine) still waits that long,
+    so a late caller is not mistaken for a silent peer. With ``auth_key`` the request is
+    sealed and only a reply sealed for it is accepted.
+
+    Returns:
+        The decoded records, in the order of ``ranks`` (by rank when None).
+
+    Raises:
+        PeerLostError: no reply within ``timeout_s`` (the message names both).
+        IncompatibleError: the server or a record has another compat hash.
+        ProtocolError: the reply or a record is malformed, or the server refused.
+        AuthError: the server requires a key and none was given, or its reply is not
+            authenticated with ours (a ProtocolError).
+        LayoutError: ``address`` is not a valid ZMQ endpoint.
+    """
+    if ranks is not None and (len(ranks) > MAX_RANKS or any(not 0 <= r < 1 << 32 for r in ranks)):
+        raise ConfigError(f"ranks must be at most {MAX_RANKS} ints in [0, 2**32), got {ranks}")
+    request = encode_side(GetRecords(None if ranks is None else tuple(ranks), expected_hash))
+    if auth_key is not None:
+        request = _client_sealer(auth_key).seal(request)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIDE_REPLY_BYTES + SEAL_OVERHEAD)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as e:
+            raise ConfigError(f"side channel: bad address {address!r}: {e}") from None
+        lost = PeerLostError(f"side channel {address}: no reply within timeout {timeout_s} s")
+        try:
+            sock.send(request, zmq.NOBLOCK)  # DEALER queues on the pipe connect() created
+        except zmq.Again:
+            raise lost from None
+        # ZMQ's own thread connects, sends and receives without us: the wait is the peer's
+        if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
+            raise lost
+        frames = sock.recv_multipart(zmq.NOBLOCK)
+    finally:
+        sock.close(linger=0)
+    if len(frames) != 1:
+        raise ProtocolError(f"side channel {address}: expected one reply frame, got {len(frames)}")
+    reply = decode_side(_open_reply(address, frames[0], auth_key, request), MAX_SIDE_REPLY_BYTES)
+    if isinstance(reply, ErrorReply):
+        if reply.code == "unauthorized" and auth_key is None:
+            raise AuthError(
+                f"side channel {address}: the server requires authentication: configure "
+                f"the deployment key (EngineConfig.auth_key or {ENV_KEY})"
+            )
+        cls = IncompatibleError if reply.code == "incompatible" else ProtocolError
+        cls = AuthError if reply.code == "unauthorized" else cls
+        raise cls(f"side channel {address}: {reply.code}: {reply.message}")
+    if not isinstance(reply, Records):
+        raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")
+    if ranks is not None and len(reply.records) != len(ranks):
+        raise ProtocolError(
+            f"side channel {address}: asked for {len(ranks)} records, got {len(reply.records)}"
+        )
+    out = [decode_record(buf, expected_hash) for buf in reply.records]
+    for i, rec in enumerate(out):
+        if ranks is not None and rec.tp_rank != ranks[i]:
+            raise ProtocolError(
+                f"side channel {address}: record {i} is for tp_rank {rec.tp_rank}, "
+                f"asked for {ranks[i]}"
+            )
+    return out
