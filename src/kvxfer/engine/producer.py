@@ -28,6 +28,10 @@ __all__ = ["Producer"]
 
 log = logging.getLogger(__name__)
 
+BUSY_S = 0.0005  # drain interval while push mode is in use: a PushRequest starts a WRITE
+IDLE_S = 0.002  # otherwise: ReadDone, LeaseRenew and Abort only free or extend holds
+PUSH_ACTIVE_S = 10.0  # push mode counts as in use this long after its last PushRequest
+
 
 class Producer:
     """A producer engine hosting ``len(ranks)`` TP ranks in this process.
@@ -66,6 +70,7 @@ class Producer:
         self._tp_size = ranks[0][0].tp_size
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._push_until = 0.0  # monotonic; owned by the engine thread (see _drain_interval)
         self.ranks: list[RankCache] = []
         try:
             for spec, bufs in ranks:
@@ -185,8 +190,15 @@ class Producer:
             out, self._freed = self._freed, []
         return out
 
+    def _drain_interval(self) -> float:
+        """How long the engine thread sleeps between drains: ``BUSY_S`` while push mode
+        is in use (a PushRequest within ``PUSH_ACTIVE_S``: the next one starts at once),
+        else ``IDLE_S`` (an idle producer does not spin; measured before: 10.5% of a
+        core at 2,000 drains a second). Pull reads never wait on this thread."""
+        return BUSY_S if time.monotonic() < self._push_until else IDLE_S
+
     def _run(self) -> None:
-        while not self._stop.wait(0.0005):
+        while not self._stop.wait(self._drain_interval()):
             # pushes are queued after the whole batch: an Abort that arrived with its
             # PushRequest (a producer resumed after SIGSTOP) cancels it before it starts
             pushes: list[tuple[int, str, PushRequest, float]] = []
@@ -245,6 +257,7 @@ class Producer:
                 table.abort(msg.request_id)
                 self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
             elif isinstance(msg, PushRequest):
+                self._push_until = now + PUSH_ACTIVE_S
                 # the local deadline: the relative budget bounds it; time the message
                 # spent queued (by the sender's wall clock) can only shorten it
                 queued_s = max(0.0, (time.time_ns() - msg.sent_at_ns) / 1e9)

@@ -1,0 +1,60 @@
+"""An idle producer does not spin: its engine thread drains notifications every
+``IDLE_S`` unless push mode is in use (a PushRequest in the last ``PUSH_ACTIVE_S``),
+when it drains every ``BUSY_S`` so a push starts at once. Measured before the change:
+an idle NIXL producer used 10.5% of a core (2,000 drains a second), an idle consumer
+4.9%; inside vLLM every instance runs both."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvxfer.engine import producer as producer_mod
+from kvxfer.engine.config import EngineConfig, allocate_cache
+from kvxfer.engine.producer import Producer
+from kvxfer.layout.presets import spec_for
+from kvxfer.testing import MemoryBackend
+from kvxfer.wire import PushRequest, encode_msg
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CountingBackend(MemoryBackend):
+    drains = 0
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        CountingBackend.drains += 1
+        return super().get_notifs()
+
+
+def _producer() -> Producer:
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+    return Producer(
+        EngineConfig("idle", model_name="tiny-gqa"),
+        [(spec, allocate_cache(spec))],
+        backend_factory=CountingBackend,
+    )
+
+
+def test_an_idle_producer_drains_at_the_idle_interval() -> None:
+    with _producer():
+        time.sleep(0.2)  # started
+        CountingBackend.drains = 0
+        time.sleep(1.0)
+        drains = CountingBackend.drains
+    assert drains <= 1.0 / producer_mod.IDLE_S * 1.2 + 5, drains
+    assert drains >= 1.0 / producer_mod.IDLE_S / 10  # it still drains (unsolicited notices)
+
+
+def test_a_push_request_switches_the_drain_interval_to_busy_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with _producer() as prod:
+        assert prod._drain_interval() == producer_mod.IDLE_S
+        push = PushRequest("r", prod.generation, "tcp://127.0.0.1:1", 0, 1, (1,), (1,))
+        prod._on_msg(0, "someone", encode_msg(push), [])
+        assert prod._drain_interval() == producer_mod.BUSY_S
+        later = time.monotonic() + producer_mod.PUSH_ACTIVE_S + 1
+        monkeypatch.setattr(producer_mod.time, "monotonic", lambda: later)
+        assert prod._drain_interval() == producer_mod.IDLE_S
