@@ -9,7 +9,11 @@ the peer was already contacted when the read started, sizes, and the connector's
 polls of it (vLLM asks once per engine step): how many, the longest gap between two while
 it was posted, and when the last poll before the one that saw it end came. A READ whose
 last in-flight poll came long after posting ended late on the wire; one polled only
-rarely was waiting for vLLM's next step.
+rarely was waiting for vLLM's next step. Also: page-fault and CPU-steal counter deltas
+over the load; on the producer side ``KVXFER_PRODUCER`` lines (when blocks were held,
+when each ReadDone arrived); ``KVXFER_SLOW`` lines for backend calls of 10 ms or more
+(which call, agent, thread, when, how long); ``KVXFER_GC`` lines for collections that
+paused the worker 5 ms or more.
 Load it with ``kv_connector_module_path="kvxfer.bench.vllm_probe"``,
 ``kv_connector="ProfiledKvxferConnector"``.
 """
@@ -31,7 +35,7 @@ from kvxfer.engine import Producer, Transfer
 from kvxfer.integrations.vllm.connector import KvxferConnector
 from kvxfer.wire import ReadDone, decode_msg
 
-__all__ = ["PRODUCER_TAG", "PROFILE_TAG", "ProfiledKvxferConnector"]
+__all__ = ["GC_TAG", "PRODUCER_TAG", "PROFILE_TAG", "SLOW_TAG", "ProfiledKvxferConnector"]
 
 PROFILE_TAG = "KVXFER_PROFILE"
 PRODUCER_TAG = "KVXFER_PRODUCER"
