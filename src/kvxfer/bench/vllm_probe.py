@@ -107,15 +107,17 @@ class ProfiledKvxferConnector(KvxferConnector):
         producer._on_msg = traced_on_msg  # type: ignore[method-assign]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not hasattr(self, "_probe_live"):  # no caches registered: nothing to trace
+            return super().get_finished(finished_req_ids)
         before = time.perf_counter()
-        for rid, t in getattr(self, "_probe_live", {}).items():
+        for rid, t in self._probe_live.items():
             if t.posted_at and not t.state.is_terminal:
                 self._probe_polls.setdefault(rid, []).append(before)
         out = super().get_finished(finished_req_ids)
         now = time.perf_counter()
         for rid in self._probe_polls:
             self._probe_calls[rid] = max(self._probe_calls.get(rid, 0.0), now - before)
-        for rid, t in list(getattr(self, "_probe_live", {}).items()):
+        for rid, t in list(self._probe_live.items()):
             if not t.state.is_terminal:
                 continue
             del self._probe_live[rid]
