@@ -152,6 +152,7 @@ class FirstContact:
             peer.generations = {r.tp_rank: r.generation for r in recs}
             names = {r.tp_rank: r.agent_name for r in recs}
             t1 = time.perf_counter()  # fetched and decoded
+            peer.enter("build")
             # plan before touching NIXL: an incompatible peer leaves no agent behind
             runs = self.config.run_blocks
             peer.plans = {
@@ -170,21 +171,25 @@ class FirstContact:
                         f"rank {d}'s cache is device memory ({self.ranks[d].mem_kind.value})"
                     )
             t2 = time.perf_counter()
+            peer.enter("add_agent")
             with self._engine_lock:
                 if self._closed:
                     raise ClosedError("consumer closed during first contact")
                 self._add_agents(peer, recs, names)
             t3 = time.perf_counter()
+            peer.enter("prepare")
             with self._engine_lock:
                 if self._closed:
                     raise ClosedError("consumer closed during first contact")
                 self._prepare(peer, names)
             t4 = time.perf_counter()
+            peer.enter("wire_up")
             with self._engine_lock:
                 if self._closed:
                     raise ClosedError("consumer closed during first contact")
                 self._wire_up(peer)
             t5 = time.perf_counter()
+            peer.enter("ready")
             peer.timings_s = {
                 "fetch": t1 - t0,
                 "build": t2 - t1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from kvxfer.errors import KvxferError
@@ -25,6 +26,9 @@ class PeerInfo:
         generations: remote rank -> producer incarnation the prepared lists belong to.
         timings_s: first-contact phases: fetch, add_agent, build, prepare, wire_up.
         num_rows, num_descriptors: strided rows prepared vs descriptors they stand for.
+        phase, phase_at: the first-contact phase under way (fetch, build, add_agent,
+            prepare, wire_up; "ready" at the end) and when it began (perf_counter), for
+            the error of a request whose deadline passes while it waits.
     """
 
     address: str
@@ -38,6 +42,12 @@ class PeerInfo:
     timings_s: dict[str, float] = field(default_factory=dict)
     num_rows: int = 0
     num_descriptors: int = 0
+    phase: str = "fetch"
+    phase_at: float = field(default_factory=time.perf_counter)
+
+    def enter(self, phase: str) -> None:
+        """The handshake thread starts ``phase`` of first contact."""
+        self.phase, self.phase_at = phase, time.perf_counter()
 
     @property
     def generation(self) -> int:

@@ -174,7 +174,9 @@ class Transfer(RequestEnd):
         ctx = self.context
         try:
             if time.monotonic() >= self.deadline:
-                raise DeadlineError(f"request {self.request_id!r} passed its deadline")
+                raise DeadlineError(
+                    f"request {self.request_id!r} passed its deadline {self._where()}"
+                )
             if not self.posted_at:
                 if not self.peer.ready.is_set():
                     return self.state
@@ -220,6 +222,22 @@ class Transfer(RequestEnd):
         except KvxferError as e:
             self._fail(e)
         return self.state
+
+    def _where(self) -> str:
+        """Where the request stood: the first-contact phase, or its transfers in flight."""
+        now, peer = time.perf_counter(), self.peer
+        if not self.posted_at:
+            if not peer.ready.is_set():
+                return (f"in first contact with {peer.address}: phase {peer.phase!r} "
+                        f"under way for {now - peer.phase_at:.3f} s")  # fmt: skip
+            return f"before its {self.op.value} from {peer.address} was posted"
+        since = f"posted {now - self.posted_at:.3f} s before"
+        if self.op is XferOp.WRITE:
+            waiting = len(self.expected - self.written)
+            return (f"waiting for the push from {peer.address} ({since}): {waiting} of "
+                    f"{len(self.expected)} producer rank(s) had not confirmed")  # fmt: skip
+        return (f"with {len(self.xfers)} READ(s) from {peer.address} still in flight "
+                f"({self.num_descriptors} descriptors, {since})")  # fmt: skip
 
     def _renew(self, force: bool = False) -> None:
         """Renew the producer's lease on a request still in flight (every heartbeat_s), to
