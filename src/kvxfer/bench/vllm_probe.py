@@ -13,7 +13,10 @@ rarely was waiting for vLLM's next step. Also: page-fault and CPU-steal counter 
 over the load; on the producer side ``KVXFER_PRODUCER`` lines (when blocks were held,
 when each ReadDone arrived); ``KVXFER_SLOW`` lines for backend calls of 10 ms or more
 (which call, agent, thread, when, how long); ``KVXFER_GC`` lines for collections that
-paused the worker 5 ms or more.
+paused the worker 5 ms or more. With ``KVXFER_CENSUS=1`` in the environment, also a
+``KVXFER_CPU`` line per load: which threads of the machine ran, and how long each of this
+worker's threads waited for a CPU, between the read's start and its end being seen
+(:mod:`kvxfer.bench.cpu_census`; taken in a helper thread, off the step path).
 Load it with ``kv_connector_module_path="kvxfer.bench.vllm_probe"``,
 ``kv_connector="ProfiledKvxferConnector"``.
 """
@@ -25,22 +28,26 @@ import gc
 import itertools
 import json
 import logging
+import os
 import resource
 import sys
 import threading
 import time
 from typing import Any
 
+from kvxfer.bench.cpu_census import Census, census, census_delta
 from kvxfer.engine import Producer, Transfer
 from kvxfer.integrations.vllm.connector import KvxferConnector
 from kvxfer.wire import ReadDone, decode_msg
 
-__all__ = ["GC_TAG", "PRODUCER_TAG", "PROFILE_TAG", "SLOW_TAG", "ProfiledKvxferConnector"]
+__all__ = ["CPU_TAG", "GC_TAG", "PRODUCER_TAG", "PROFILE_TAG", "SLOW_TAG",
+           "ProfiledKvxferConnector"]  # fmt: skip
 
 PROFILE_TAG = "KVXFER_PROFILE"
 PRODUCER_TAG = "KVXFER_PRODUCER"
 GC_TAG = "KVXFER_GC"
 SLOW_TAG = "KVXFER_SLOW"
+CPU_TAG = "KVXFER_CPU"
 log = logging.getLogger(__name__)
 
 
@@ -55,6 +62,7 @@ class ProfiledKvxferConnector(KvxferConnector):
         self._probe_polls: dict[str, list[float]] = {}  # poll times while posted
         self._probe_calls: dict[str, float] = {}  # longest get_finished while posted
         self._probe_faults: dict[str, dict[str, int]] = {}  # at read()
+        self._probe_census: dict[str, threading.Thread] = {}  # takes the census at read()
         if self._worker is not None:
             consumer, producer = self._worker.consumer, self._worker.producer
             for cache in [
@@ -76,6 +84,8 @@ class ProfiledKvxferConnector(KvxferConnector):
             self._probe_faults[request_id] = faults
             self._probe_live[request_id] = t
             self._probe_ready[request_id] = t.peer.ready.is_set()  # contact already done
+            if os.environ.get("KVXFER_CENSUS") == "1":
+                self._probe_census[request_id] = _census_thread()
             return t
 
         consumer.read = traced_read  # type: ignore[method-assign]
@@ -137,6 +147,8 @@ class ProfiledKvxferConnector(KvxferConnector):
                 "faults": _delta(self._probe_faults.pop(rid, {})),
             }  # fmt: skip
             _emit(PROFILE_TAG, rec)
+            if (first := self._probe_census.pop(rid, None)) is not None:
+                _census_thread(rid, first)
         return out
 
 
@@ -200,6 +212,26 @@ def _trace_gc(min_s: float = 0.005) -> None:
             _emit(GC_TAG, {"generation": info.get("generation"), "at": started[0], "s": took})
 
     gc.callbacks.append(callback)
+
+
+def _census_thread(request_id: str = "", first: threading.Thread | None = None) -> threading.Thread:
+    """Take a CPU census in a helper thread (kept on the thread). With ``first`` (the
+    thread that took the census at the read's start), emit the window's ``KVXFER_CPU``."""
+
+    def take() -> None:
+        snap = census()
+        if first is None:
+            thread.census = snap  # type: ignore[attr-defined]
+            return
+        first.join(1.0)
+        start: Census | None = getattr(first, "census", None)
+        if start is not None:
+            _emit(CPU_TAG, {"request_id": request_id, "started_at": start.at_ns / 1e9,
+                            **census_delta(start, snap, top=8, own_pid=os.getpid())})  # fmt: skip
+
+    thread = threading.Thread(target=take, name="kvxfer-census", daemon=True)
+    thread.start()
+    return thread
 
 
 def _emit(tag: str, rec: dict[str, Any]) -> None:
