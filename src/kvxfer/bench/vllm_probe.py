@@ -24,6 +24,7 @@ Load it with ``kv_connector_module_path="kvxfer.bench.vllm_probe"``,
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import itertools
 import json
@@ -55,6 +56,8 @@ class ProfiledKvxferConnector(KvxferConnector):
     """:class:`KvxferConnector` that logs the timeline of every finished load."""
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if os.environ.get("KVXFER_CENSUS") == "1":
+            _name_os_threads()
         super().register_kv_caches(kv_caches)
         _trace_gc()
         self._probe_live: dict[str, Transfer] = {}
@@ -214,20 +217,43 @@ def _trace_gc(min_s: float = 0.005) -> None:
     gc.callbacks.append(callback)
 
 
+def _name_os_threads() -> None:
+    """Give every Python thread started from now on its name at the OS level too
+    (``prctl(PR_SET_NAME)``, 15 bytes), so a census of this process from another one,
+    or ``top -H``, tells kvxfer's threads from vLLM's (threads inherit their starter's
+    name otherwise: every one would read ``VLLM::Worker``)."""
+    if getattr(threading.Thread.run, "_kvxfer_named", False):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    run = threading.Thread.run
+
+    def named_run(self: threading.Thread) -> None:
+        libc.prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        run(self)
+
+    named_run._kvxfer_named = True  # type: ignore[attr-defined]
+    threading.Thread.run = named_run  # type: ignore[method-assign]
+
+
 def _census_thread(request_id: str = "", first: threading.Thread | None = None) -> threading.Thread:
     """Take a CPU census in a helper thread (kept on the thread). With ``first`` (the
     thread that took the census at the read's start), emit the window's ``KVXFER_CPU``."""
 
     def take() -> None:
-        snap = census()
         if first is None:
-            thread.census = snap  # type: ignore[attr-defined]
+            thread.census = census()  # type: ignore[attr-defined]
             return
-        first.join(1.0)
+        first.join(1.0)  # the window's start is taken before its end
         start: Census | None = getattr(first, "census", None)
         if start is not None:
-            _emit(CPU_TAG, {"request_id": request_id, "started_at": start.at_ns / 1e9,
-                            **census_delta(start, snap, top=8, own_pid=os.getpid())})  # fmt: skip
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            report = census_delta(start, census(), top=12, own_pid=os.getpid())
+            for row in [*report["threads"], *report["own"]]:
+                row["py"] = names.get(row["tid"], "main" if row["tid"] == row["pid"] else "")
+            _emit(CPU_TAG, {"request_id": request_id, "started_at": start.at_ns / 1e9, **report})
 
     thread = threading.Thread(target=take, name="kvxfer-census", daemon=True)
     thread.start()
