@@ -168,6 +168,18 @@ def test_prefill_peers_config_is_a_list_of_addresses() -> None:
         peer_list([5700])
 
 
+def test_idle_wait_config_is_seconds_up_to_one() -> None:
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.worker import idle_wait
+
+    assert idle_wait(0.002) == 0.002
+    assert idle_wait(0) == 0.0  # off: every step returns at once, as vLLM's own connectors
+    assert idle_wait("0.005") == 0.005  # JSON from a command line may quote it
+    for bad in (-1, float("nan"), float("inf"), 1.5, "soon", None, True):
+        with pytest.raises(ConfigError, match=r"kv_connector_extra_config.idle_wait_s"):
+            idle_wait(bad)
+
+
 @pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
     reason="needs Linux thread affinity and two CPUs",

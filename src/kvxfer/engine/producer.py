@@ -48,8 +48,8 @@ class Producer:
     read them (a ``ReadDone`` notification per consumer rank), a consumer aborts, or
     the lease expires; :meth:`pop_freed` reports released requests.
 
-    Thread-safety: :meth:`hold`, :meth:`pop_freed`, :attr:`held_blocks` and
-    :meth:`close` may be called from any thread (the lease tables are under one lock).
+    Thread-safety: :meth:`hold`, :meth:`pop_freed`, :meth:`wait_freed`,
+    :attr:`held_blocks`, :attr:`num_held` and :meth:`close` may be called from any thread (the lease tables are under one lock).
     The engine thread alone drains notifications; the push thread alone posts, polls
     and releases WRITEs (see docs/architecture.md, "Threads and locks").
     """
@@ -80,6 +80,7 @@ class Producer:
             self._pending_free: dict[str, set[int]] = {}
             self._held_ids: dict[str, frozenset[int]] = {}
             self._freed: list[tuple[str, FreeReason]] = []
+            self._freed_ready = threading.Event()  # set while _freed is not empty
             self.num_rejected = 0
             self.num_errors = 0
             records = encode_records(self.ranks, self.generation, self.compat_hash)
@@ -184,11 +185,23 @@ class Producer:
         with self._lock:
             return self._held_ids.get(request_id) if request_id in self._pending_free else None
 
+    @property
+    def num_held(self) -> int:
+        """Requests held and not yet released on every rank."""
+        with self._lock:
+            return len(self._pending_free)
+
     def pop_freed(self) -> list[tuple[str, FreeReason]]:
         """Requests released on every rank since the last call: the caller frees their blocks."""
         with self._lock:
             out, self._freed = self._freed, []
+            self._freed_ready.clear()
         return out
+
+    def wait_freed(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until a request is released on every rank (one that
+        :meth:`pop_freed` would report); True if one is."""
+        return self._freed_ready.wait(timeout_s)
 
     def _drain_interval(self) -> float:
         """How long the engine thread sleeps between drains: ``BUSY_S`` while push mode
@@ -289,6 +302,7 @@ class Producer:
                     del self._pending_free[rid]
                     self._held_ids.pop(rid, None)
                     self._freed.append((rid, reason))
+                    self._freed_ready.set()
 
     def close(self) -> None:
         """Stop serving, release agents and deregister memory. Idempotent."""

@@ -34,7 +34,7 @@ from kvxfer.integrations.vllm.scheduler import (
     ProducerRank,
     SchedulerSide,
 )
-from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, peer_list
+from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, idle_wait, peer_list
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +50,7 @@ class KvxferMetadata(KVConnectorMetadata):
 
     loads: list[LoadJob] = field(default_factory=list)
     holds: list[HoldJob] = field(default_factory=list)
+    idle: bool = False  # the step runs no tokens: get_finished may wait for transfers
 
 
 @dataclass
@@ -111,6 +112,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._engine_id = str(kv.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._idle = False  # the bound step runs no tokens (see KvxferMetadata.idle)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 engine_id=self._engine_id, block_size=self._block_size, tp_size=self._tp_size,
@@ -135,7 +137,8 @@ class KvxferConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
         step = self._scheduler.take_step()
-        return KvxferMetadata(loads=step.loads, holds=step.holds)
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        return KvxferMetadata(loads=step.loads, holds=step.holds, idle=idle)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
         assert self._scheduler is not None
@@ -181,6 +184,7 @@ class KvxferConnector(KVConnectorBase_V1):
             heartbeat_s=float(_extra(cfg, "heartbeat_s", 1.0)),
             prefill_peers=peer_list(_extra(cfg, "prefill_peers", [])),
             preconnect_s=float(_extra(cfg, "preconnect_s", 600.0)),
+            idle_wait_s=idle_wait(_extra(cfg, "idle_wait_s", 0.002)),
         )
         self._worker = WorkerSide(settings)
         self._worker.register([kv_caches[n] for n in names])
@@ -196,6 +200,7 @@ class KvxferConnector(KVConnectorBase_V1):
         # is in place before a decode can read, and a load that completes during the
         # forward is reported finished in this same step.
         super().bind_connector_metadata(connector_metadata)
+        self._idle = isinstance(connector_metadata, KvxferMetadata) and connector_metadata.idle
         if self._worker is not None and isinstance(connector_metadata, KvxferMetadata):
             self._worker.start(connector_metadata.loads, connector_metadata.holds)
 
@@ -214,7 +219,9 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        sending, recving = self._worker.finished()
+        wait = self._worker.settings.idle_wait_s if self._idle else 0.0
+        self._idle = False  # one wait per bound step
+        sending, recving = self._worker.finished(idle_wait_s=wait)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

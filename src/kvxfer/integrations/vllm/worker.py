@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,9 +25,11 @@ from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
 
-__all__ = ["WorkerSettings", "WorkerSide", "peer_list"]
+__all__ = ["WorkerSettings", "WorkerSide", "idle_wait", "peer_list"]
 
 log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.0005  # how often an idle step polls READs in flight (no event for them)
 
 
 def peer_list(value: Any) -> tuple[str, ...]:
@@ -46,6 +49,26 @@ def peer_list(value: Any) -> tuple[str, ...]:
             f"kv_connector_extra_config.prefill_peers: not all non-empty strings: {value!r}"
         )
     return tuple(value)
+
+
+def idle_wait(value: Any) -> float:
+    """The ``idle_wait_s`` extra-config value: seconds (0 to 1) a step that ran no tokens
+    may wait for a transfer to end (:meth:`WorkerSide.finished`); 0 turns it off.
+
+    Raises:
+        ConfigError: naming the key, for anything but such a number.
+    """
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0.0 <= seconds <= 1.0:  # NaN fails too
+        raise ConfigError(
+            f"kv_connector_extra_config.idle_wait_s must be seconds from 0 to 1, got {value!r}"
+        )
+    return seconds
 
 
 @contextmanager
@@ -92,6 +115,7 @@ class WorkerSettings:
     heartbeat_s: float = 1.0
     prefill_peers: tuple[str, ...] = ()  # producer addresses to contact at start
     preconnect_s: float = 600.0  # how long to keep trying an unreachable one
+    idle_wait_s: float = 0.002  # a step that ran no tokens waits this long for a transfer
 
 
 @dataclass(slots=True)
@@ -178,13 +202,32 @@ class WorkerSide:
             return
         self._loads[job.request_id] = _Load(job, t)
 
-    def finished(self) -> tuple[set[str], set[str]]:
+    def finished(self, idle_wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """``(finished sending, finished receiving)`` request ids since the last call.
 
         A load that ended in any state but DONE is reported finished too, with its
         blocks in :meth:`take_load_errors`, so vLLM recomputes them (never decodes
         from partial KV).
+
+        ``idle_wait_s`` > 0 (a step that ran no tokens): while nothing has ended but a
+        load or a hold is in flight, wait for one to end, up to ``idle_wait_s``, instead
+        of returning at once: vLLM steps without pause while a request waits for its KV
+        or for its blocks to be read, so each empty step returned at once spins the
+        worker's thread on a core the transfer needs. The wait ends as soon as a hold is
+        released (the producer's event), a first contact finishes or a READ ends (polled
+        every ``IDLE_POLL_S``); it delays only requests that arrive meanwhile.
         """
+        sending, recving = self._collect()
+        if idle_wait_s <= 0:
+            return sending, recving
+        end = time.monotonic() + idle_wait_s
+        while not (sending or recving) and (left := end - time.monotonic()) > 0:
+            if not self._wait_a_little(min(IDLE_POLL_S, left)):
+                break  # nothing in flight: nothing to wait for
+            sending, recving = self._collect()
+        return sending, recving
+
+    def _collect(self) -> tuple[set[str], set[str]]:
         sending: set[str] = set()
         if self.producer is not None:
             for rid, reason in self.producer.pop_freed():  # only ids this worker held
@@ -204,6 +247,21 @@ class WorkerSide:
                             rid, state.value, err, len(load.job.local_block_ids))  # fmt: skip
                 self._load_errors.update(load.job.local_block_ids)
         return sending, recving
+
+    def _wait_a_little(self, seconds: float) -> bool:
+        """Sleep up to ``seconds`` on whatever is in flight (False: nothing is)."""
+        if self._loads:
+            for load in self._loads.values():
+                t = load.transfer
+                if t is not None and not t.peer.ready.is_set():
+                    t.peer.ready.wait(seconds)  # a first contact: woken when it ends
+                    return True
+            time.sleep(seconds)  # READs in flight: NIXL has no completion event; poll
+            return True
+        if self.producer is not None and self.producer.num_held:
+            self.producer.wait_freed(seconds)
+            return True
+        return False
 
     def _yield_to_first_contact(self) -> None:
         """While a load waits on a first contact, wait on it up to 2 ms, without the GIL.
