@@ -103,9 +103,11 @@ def _timeline(req: dict[str, Any], prof: dict[str, Any] | None) -> dict[str, flo
 
 def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]],
               ref: list[list[int]], max_tokens: int, log_dir: str,
-              firsts: list[tuple[list[int], list[int]]]) -> dict[str, Any]:  # fmt: skip
+              firsts: list[tuple[list[int], list[int]]],
+              kvxfer_extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One decode and its prefill: request 0 first, then warm; then one first request to
-    each replacement prefill in ``firsts`` (prompt, colocated tokens)."""
+    each replacement prefill in ``firsts`` (prompt, colocated tokens). ``kvxfer_extra``:
+    more ``kv_connector_extra_config`` keys for both kvxfer instances."""
     tag = f"{connector}-{kv_gib:g}g"
     kvxfer = connector in KVXFER_VARIANTS
     extra = {"kv_transfer_overrides": PROBE} if kvxfer else {}
@@ -116,12 +118,13 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
     # NixlConnector's side channel listens on VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600)
     # in every kv_both instance: one port each, new ones per pair
     port = NIXL_PORT_BASE + 2 * len(os.listdir(log_dir))
-    p_extra: dict[str, Any] = {}
-    d_extra: dict[str, Any] = {}
+    more = dict(kvxfer_extra or {}) if kvxfer else {}
+    p_extra: dict[str, Any] = {"extra": more} if more else {}
+    d_extra: dict[str, Any] = {"extra": more} if more else {}
     if connector == "kvxfer-pre":  # the decode knows its prefill peer from the start
         sc_port = port + 1000
-        p_extra = {"extra": {"side_channel_port": sc_port}}
-        d_extra = {"extra": {"prefill_peers": [f"tcp://127.0.0.1:{sc_port}"]}}
+        p_extra = {"extra": {**more, "side_channel_port": sc_port}}
+        d_extra = {"extra": {**more, "prefill_peers": [f"tcp://127.0.0.1:{sc_port}"]}}
 
     def prefill(n: int) -> Instance:  # the kvxfer-pre one takes the same port each time
         return Instance(f"{tag}-prefill{n or ''}", cpus="0",
@@ -175,9 +178,11 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
 
 
 def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str, log_dir: str,
-               connectors: list[str], first_samples: int = 1) -> dict[str, Any]:  # fmt: skip
+               connectors: list[str], first_samples: int = 1,
+               kvxfer_extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Every (size, connector) pair, fresh instances each; the colocated reference first.
-    ``first_samples``: first requests per pair (each to a new prefill incarnation)."""
+    ``first_samples``: first requests per pair (each to a new prefill incarnation);
+    ``kvxfer_extra``: more extra-config keys for the kvxfer instances."""
     os.makedirs(log_dir, exist_ok=True)
     digest = build(model_dir, **MODEL_SHAPE)
     prompts = make_prompts(n_prompts, MODEL_SHAPE["vocab"], PROMPT_LENGTHS, seed=0)
@@ -195,7 +200,7 @@ def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str
             print(f"vllm bench: {conn} at {kv_gib:g} GiB ...", file=sys.stderr, flush=True)
             try:
                 pairs.append(_one_pair(conn, kv_gib, model_dir, prompts, ref, max_tokens, log_dir,
-                                       firsts))  # fmt: skip
+                                       firsts, kvxfer_extra))  # fmt: skip
             except Exception as e:  # one failed pair must not lose the others' figures
                 traceback.print_exc()
                 pairs.append({"connector": conn, "kv_gib": kv_gib, "error": repr(e)})
@@ -210,6 +215,7 @@ def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str
             "prompt_lengths": [len(p) for p in prompts],
             "max_tokens": max_tokens,
             "first_samples": first_samples,
+            "kvxfer_extra": dict(kvxfer_extra or {}),
             "sizes_gib": sizes,
             "weights_sha256": digest,
             "vllm": vllm.__version__,
@@ -229,10 +235,12 @@ def main() -> None:
     ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs")
     ap.add_argument("--first-samples", type=int, default=1,
                     help="first requests per pair, each to a new prefill (default 1)")  # fmt: skip
+    ap.add_argument("--kvxfer-extra", type=json.loads, default=None,
+                    help="JSON object of more kv_connector_extra_config keys for kvxfer")  # fmt: skip
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     doc = run_driver(a.sizes, a.prompts, a.max_tokens, a.model_dir, a.log_dir, a.connectors,
-                     a.first_samples)  # fmt: skip
+                     a.first_samples, a.kvxfer_extra)  # fmt: skip
     Path(a.out).write_text(json.dumps(doc))
 
 
