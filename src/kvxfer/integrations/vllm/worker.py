@@ -3,8 +3,9 @@
 Runs in each vLLM worker process (one TP rank). A prefill worker hosts a
 :class:`~kvxfer.engine.Producer` (blocks held per request until read); a decode
 worker hosts a :class:`~kvxfer.engine.Consumer` (one pull READ per request, started
-without blocking the forward pass and polled once per step). An engine with
-``kv_both`` hosts both.
+without blocking the forward pass and polled once per step; a step that runs no tokens
+waits up to ``idle_wait_s`` for a transfer to end, see :meth:`WorkerSide.finished`). An
+engine with ``kv_both`` hosts both.
 
 State is owned by vLLM's worker thread (it calls every method here); the engines'
 own threads are behind their public, thread-safe methods.
