@@ -56,7 +56,8 @@ class ProfiledKvxferConnector(KvxferConnector):
     """:class:`KvxferConnector` that logs the timeline of every finished load."""
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        if os.environ.get("KVXFER_CENSUS") == "1":
+        self._probe_census_on = os.environ.get("KVXFER_CENSUS") == "1"
+        if self._probe_census_on:
             _name_os_threads()
         super().register_kv_caches(kv_caches)
         _trace_gc()
@@ -87,8 +88,8 @@ class ProfiledKvxferConnector(KvxferConnector):
             self._probe_faults[request_id] = faults
             self._probe_live[request_id] = t
             self._probe_ready[request_id] = t.peer.ready.is_set()  # contact already done
-            if os.environ.get("KVXFER_CENSUS") == "1":
-                self._probe_census[request_id] = _census_thread()
+            if self._probe_census_on:
+                self._probe_census[request_id] = _census_start()
             return t
 
         consumer.read = traced_read  # type: ignore[method-assign]
@@ -151,7 +152,7 @@ class ProfiledKvxferConnector(KvxferConnector):
             }  # fmt: skip
             _emit(PROFILE_TAG, rec)
             if (first := self._probe_census.pop(rid, None)) is not None:
-                _census_thread(rid, first)
+                _census_emit(rid, first)
         return out
 
 
@@ -238,26 +239,33 @@ def _name_os_threads() -> None:
     threading.Thread.run = named_run  # type: ignore[method-assign]
 
 
-def _census_thread(request_id: str = "", first: threading.Thread | None = None) -> threading.Thread:
-    """Take a CPU census in a helper thread (kept on the thread). With ``first`` (the
-    thread that took the census at the read's start), emit the window's ``KVXFER_CPU``."""
+def _census_start() -> threading.Thread:
+    """Take a CPU census in a helper thread, kept on the thread as ``census``."""
 
     def take() -> None:
-        if first is None:
-            thread.census = census()  # type: ignore[attr-defined]
-            return
-        first.join(1.0)  # the window's start is taken before its end
-        start: Census | None = getattr(first, "census", None)
-        if start is not None:
-            names = {t.native_id: t.name for t in threading.enumerate()}
-            report = census_delta(start, census(), top=12, own_pid=os.getpid())
-            for row in [*report["threads"], *report["own"]]:
-                row["py"] = names.get(row["tid"], "main" if row["tid"] == row["pid"] else "")
-            _emit(CPU_TAG, {"request_id": request_id, "started_at": start.at_ns / 1e9, **report})
+        thread.census = census()  # type: ignore[attr-defined]
 
     thread = threading.Thread(target=take, name="kvxfer-census", daemon=True)
     thread.start()
     return thread
+
+
+def _census_emit(request_id: str, first: threading.Thread) -> None:
+    """In a helper thread: wait for ``first`` (:func:`_census_start` at the read's start),
+    take the end census and emit the window's ``KVXFER_CPU`` line."""
+
+    def emit() -> None:
+        first.join(1.0)  # the window's start is taken before its end
+        start: Census | None = getattr(first, "census", None)
+        if start is None:
+            return
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        report = census_delta(start, census(), top=12, own_pid=os.getpid())
+        for row in [*report["threads"], *report["own"]]:
+            row["py"] = names.get(row["tid"], "main" if row["tid"] == row["pid"] else "")
+        _emit(CPU_TAG, {"request_id": request_id, "started_at": start.at_ns / 1e9, **report})
+
+    threading.Thread(target=emit, name="kvxfer-census", daemon=True).start()
 
 
 def _emit(tag: str, rec: dict[str, Any]) -> None:

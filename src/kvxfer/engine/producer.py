@@ -49,7 +49,8 @@ class Producer:
     the lease expires; :meth:`pop_freed` reports released requests.
 
     Thread-safety: :meth:`hold`, :meth:`pop_freed`, :meth:`wait_freed`,
-    :attr:`held_blocks`, :attr:`num_held` and :meth:`close` may be called from any thread (the lease tables are under one lock).
+    :attr:`held_blocks`, :attr:`num_held` and :meth:`close` may be called from any
+    thread (the lease tables are under one lock).
     The engine thread alone drains notifications; the push thread alone posts, polls
     and releases WRITEs (see docs/architecture.md, "Threads and locks").
     """

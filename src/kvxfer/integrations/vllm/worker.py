@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, Transfer
+from kvxfer.engine.config import check_seconds
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
@@ -54,21 +55,21 @@ def peer_list(value: Any) -> tuple[str, ...]:
 
 def idle_wait(value: Any) -> float:
     """The ``idle_wait_s`` extra-config value: seconds (0 to 1) a step that ran no tokens
-    may wait for a transfer to end (:meth:`WorkerSide.finished`); 0 turns it off.
+    may wait for a transfer to end (:meth:`WorkerSide.finished`); 0 turns it off. A
+    numeric string is taken, like the other keys' values.
 
     Raises:
         ConfigError: naming the key, for anything but such a number.
     """
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if not 0.0 <= seconds <= 1.0:  # NaN fails too
-        raise ConfigError(
-            f"kv_connector_extra_config.idle_wait_s must be seconds from 0 to 1, got {value!r}"
-        )
+    key = "kv_connector_extra_config.idle_wait_s"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number of seconds, got {value!r}") from None
+    seconds = check_seconds(key, value, allow_zero=True)
+    if seconds > 1.0:
+        raise ConfigError(f"{key} must be at most 1 second, got {value!r}")
     return seconds
 
 
@@ -218,9 +219,10 @@ class WorkerSide:
         released (the producer's event), a first contact finishes or a READ ends (polled
         every ``IDLE_POLL_S``); it delays only requests that arrive meanwhile.
         """
-        sending, recving = self._collect()
         if idle_wait_s <= 0:
-            return sending, recving
+            self._yield_to_first_contact()
+            return self._collect()
+        sending, recving = self._collect()  # the wait below waits on first contacts too
         end = time.monotonic() + idle_wait_s
         while not (sending or recving) and (left := end - time.monotonic()) > 0:
             if not self._wait_a_little(min(IDLE_POLL_S, left)):
@@ -235,7 +237,6 @@ class WorkerSide:
                 sending.add(rid)
                 log.debug("request %s: blocks released (%s)", rid, reason)
         recving: set[str] = set()
-        self._yield_to_first_contact()
         for rid, load in list(self._loads.items()):
             state = load.transfer.poll() if load.transfer is not None else RequestState.FAILED
             if not state.is_terminal:
