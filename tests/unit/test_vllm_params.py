@@ -11,9 +11,15 @@ import time
 import pytest
 
 from kvxfer.errors import ProtocolError
-from kvxfer.integrations.vllm.params import RemotePrefill, compose_params, parse_params
+from kvxfer.integrations.vllm.params import (
+    RemotePrefill,
+    compose_params,
+    parse_params,
+    prompt_hash,
+)
 from kvxfer.integrations.vllm.scheduler import ProducerRank, SchedulerSide
 
+PROMPT = list(range(1000, 1070))  # the prompt REMOTE's prefill computed (70 tokens)
 REMOTE = RemotePrefill(
     engine_id="prefill-0",
     request_id="cmpl-7",
@@ -23,6 +29,8 @@ REMOTE = RemotePrefill(
     block_size=32,
     tp_size=2,
     num_tokens=70,
+    lease_expires_at_ms=time.time_ns() // 1_000_000 + 3_600_000,
+    prompt_hash=prompt_hash(PROMPT),
 )
 
 
@@ -44,7 +52,10 @@ def test_params_without_remote_prefill_name_none() -> None:
     ("mutate", "match"),
     [
         (lambda p: p.pop("kvxfer"), "kvxfer is missing"),
-        (lambda p: p["kvxfer"].update(version=2), "version is 2"),
+        (lambda p: p["kvxfer"].update(version=1), "version is 1, expected 2"),
+        (lambda p: p["kvxfer"].pop("prompt_hash"), "kvxfer.prompt_hash is missing"),
+        (lambda p: p["kvxfer"].update(prompt_hash="ab" * 15), "32 lowercase hex"),
+        (lambda p: p["kvxfer"].update(prompt_hash="AB" * 16), "32 lowercase hex"),
         (lambda p: p.update(remote_block_ids=[1, -1]), "remote_block_ids"),
         (lambda p: p.update(remote_block_ids="1,2"), "must be a list"),
         (lambda p: p.update(tp_size=3), "tp_size 3"),
@@ -72,7 +83,7 @@ def _decode_side() -> SchedulerSide:
 def test_decode_matches_every_prefilled_prompt_token() -> None:
     s = _decode_side()
     params = compose_params(REMOTE)
-    assert s.matched_tokens("r1", 70, params, 0) == (70, True)
+    assert s.matched_tokens("r1", PROMPT, params, 0) == (70, True)
     s.after_alloc("r1", [5, 6, 7], 70)
     (job,) = s.take_step().loads
     assert (job.request_id, job.local_block_ids, job.remote_block_ids) == (
@@ -87,7 +98,7 @@ def test_decode_matches_every_prefilled_prompt_token() -> None:
 def test_decode_with_local_prefix_hit_loads_only_the_rest() -> None:
     s = _decode_side()
     # two whole blocks (64 tokens) cached locally: only the third block is read
-    assert s.matched_tokens("r2", 70, compose_params(REMOTE), 64) == (6, True)
+    assert s.matched_tokens("r2", PROMPT, compose_params(REMOTE), 64) == (6, True)
     s.after_alloc("r2", [5, 6, 7], 6)
     (job,) = s.take_step().loads
     assert (job.local_block_ids, job.remote_block_ids) == ((7,), (11,))
@@ -95,8 +106,10 @@ def test_decode_with_local_prefix_hit_loads_only_the_rest() -> None:
 
 def test_decode_never_takes_tokens_the_prefill_did_not_compute() -> None:
     s = _decode_side()
-    # the decode prompt is longer than what the prefill computed: the rest is computed locally
-    assert s.matched_tokens("r3", 90, compose_params(REMOTE), 0) == (70, True)
+    # the prefill computed 70 tokens of its 90-token prompt: the rest is computed locally
+    longer = [*PROMPT, *range(20)]
+    remote = dataclasses.replace(REMOTE, prompt_hash=prompt_hash(longer))
+    assert s.matched_tokens("r3", longer, compose_params(remote), 0) == (70, True)
     # a second allocation (after the load) brings no external tokens: no second load
     s.after_alloc("r3", [1, 2, 3], 70)
     s.after_alloc("r3", [1, 2, 3, 4], 0)
@@ -106,18 +119,21 @@ def test_decode_never_takes_tokens_the_prefill_did_not_compute() -> None:
 def test_decode_ignores_bad_or_foreign_params() -> None:
     s = _decode_side()
     bad = compose_params(REMOTE) | {"tp_size": 5}
-    assert s.matched_tokens("r4", 70, bad, 0) == (0, False)
+    assert s.matched_tokens("r4", PROMPT, bad, 0) == (0, False)
     other_block = compose_params(dataclasses.replace(REMOTE, block_size=64))
-    assert s.matched_tokens("r5", 70, other_block, 0) == (0, False)
-    assert s.matched_tokens("r6", 70, {"do_remote_decode": True}, 0) == (0, False)
+    assert s.matched_tokens("r5", PROMPT, other_block, 0) == (0, False)
+    assert s.matched_tokens("r6", PROMPT, {"do_remote_decode": True}, 0) == (0, False)
 
 
 def test_prefill_holds_finished_requests_and_names_its_ranks() -> None:
     s = SchedulerSide(engine_id="p", block_size=32, tp_size=2, is_producer=True, is_consumer=False)
     # before the workers published their endpoints nothing is offered
-    assert s.finished("a", {"do_remote_decode": True}, [1, 2, 3], 70, True) == (False, None)
+    assert s.finished("a", {"do_remote_decode": True}, [1, 2, 3], 70, True, PROMPT) == (
+        False,
+        None,
+    )
     s.set_producers([ProducerRank(1, "tcp://h:2", 22), ProducerRank(0, "tcp://h:1", 11)])
-    delay, params = s.finished("b", {"do_remote_decode": True}, [1, 2, 3], 70, True)
+    delay, params = s.finished("b", {"do_remote_decode": True}, [1, 2, 3], 70, True, PROMPT)
     assert delay is True
     remote = parse_params(params)
     assert remote is not None
@@ -127,6 +143,7 @@ def test_prefill_holds_finished_requests_and_names_its_ranks() -> None:
         (1, 2, 3),
     )
     assert (remote.request_id, remote.num_tokens, remote.tp_size) == ("b", 70, 2)
+    assert remote.prompt_hash == prompt_hash(PROMPT)
     # the decode never reads past the prefill's lease (120 s from the finish, or later)
     now_ms = time.time_ns() // 1_000_000
     assert remote.lease_expires_at_ms is not None
@@ -134,8 +151,10 @@ def test_prefill_holds_finished_requests_and_names_its_ranks() -> None:
     (hold,) = s.take_step().holds
     assert (hold.request_id, hold.block_ids) == ("b", (1, 2, 3))
     # aborted prefills and requests without do_remote_decode keep vLLM's own freeing
-    assert s.finished("c", {"do_remote_decode": True}, [4], 10, False) == (False, None)
-    assert s.finished("d", None, [4], 10, True) == (False, None)
+    assert s.finished("c", {"do_remote_decode": True}, [4], 10, False, PROMPT) == (False, None)
+    assert s.finished("d", None, [4], 10, True, PROMPT) == (False, None)
+    # a prompt given as embeddings (no token ids): no params a decode could check
+    assert s.finished("e", {"do_remote_decode": True}, [4], 10, True, None) == (False, None)
     assert s.take_step().holds == []
 
 
@@ -144,13 +163,87 @@ def test_a_request_asked_again_after_its_load_is_computed_locally() -> None:
     # (or after a preemption): offering the same KV again would loop forever
     s = _decode_side()
     params = compose_params(REMOTE)
-    assert s.matched_tokens("r7", 70, params, 0) == (70, True)
+    assert s.matched_tokens("r7", PROMPT, params, 0) == (70, True)
     s.after_alloc("r7", [5, 6, 7], 70)
     assert len(s.take_step().loads) == 1
-    assert s.matched_tokens("r7", 70, params, 0) == (0, False)
-    # once finished, the id may be reused by a new request
-    s.finished("r7", params, [5, 6, 7], 70, True)
-    assert s.matched_tokens("r7", 70, params, 0) == (70, True)
+    assert s.matched_tokens("r7", PROMPT, params, 0) == (0, False)
+    # once finished, the id may be reused by a new request, with new params
+    s.finished("r7", params, [5, 6, 7], 70, True, PROMPT)
+    fresh = compose_params(dataclasses.replace(REMOTE, request_id="cmpl-8"))
+    assert s.matched_tokens("r7", PROMPT, fresh, 0) == (70, True)
+
+
+def test_params_are_single_use() -> None:
+    """The producer frees a prefill's blocks at its first reader's ReadDone: a second
+    request reading them could get blocks the prefill has reused, reported DONE. vLLM
+    gives parallel sampling's children (n > 1) their parent's params, and a client may
+    resend them: the first request to ask takes the KV, every other computes locally."""
+    s = _decode_side()
+    params = compose_params(REMOTE)
+    assert s.matched_tokens("child-0", PROMPT, params, 0) == (70, True)
+    # the sibling, before and after the first one's allocation and load
+    assert s.matched_tokens("child-1", PROMPT, params, 0) == (0, False)
+    assert s.matched_tokens("child-0", PROMPT, params, 0) == (70, True)  # asked again: still its
+    s.after_alloc("child-0", [5, 6, 7], 70)
+    assert [j.request_id for j in s.take_step().loads] == ["child-0"]
+    assert s.matched_tokens("child-1", PROMPT, params, 0) == (0, False)
+    s.finished("child-0", params, [5, 6, 7], 70, True, PROMPT)
+    assert s.matched_tokens("resent", PROMPT, params, 0) == (0, False)  # read already
+    # the same prefill request id from a restarted prefill (new generation) is new KV
+    restarted = compose_params(dataclasses.replace(REMOTE, generations=(3, 4)))
+    assert s.matched_tokens("other", PROMPT, restarted, 0) == (70, True)
+
+
+def test_a_claim_that_never_loaded_still_ends_the_params() -> None:
+    # child-0 took the params, then was aborted before its blocks were allocated: its
+    # sibling still computes locally (the prefill may free the blocks at any ReadDone
+    # or abort, so reading them later is never safe)
+    s = _decode_side()
+    params = compose_params(REMOTE)
+    assert s.matched_tokens("child-0", PROMPT, params, 0) == (70, True)
+    s.finished("child-0", params, [], 0, False, PROMPT)
+    assert s.matched_tokens("child-1", PROMPT, params, 0) == (0, False)
+    assert s.take_step().loads == []
+
+
+def test_params_made_for_another_prompt_are_not_taken() -> None:
+    # one prefill's params sent with a list of prompts: only its own prompt takes them
+    s = _decode_side()
+    params = compose_params(REMOTE)
+    other = [*PROMPT[:-1], 7]  # same length, last token differs
+    assert s.matched_tokens("b", other, params, 0) == (0, False)
+    assert s.matched_tokens("c", PROMPT[:64], params, 0) == (0, False)  # a prefix of it
+    assert s.matched_tokens("d", None, params, 0) == (0, False)  # embeddings: no ids
+    # refusals claim nothing: the prompt the params were made for still takes them
+    assert s.matched_tokens("a", PROMPT, params, 0) == (70, True)
+
+
+def test_params_past_their_lease_are_not_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = _decode_side()
+    lease_ms = REMOTE.lease_expires_at_ms
+    assert lease_ms is not None
+    assert s.matched_tokens("a", PROMPT, compose_params(REMOTE), 0) == (70, True)
+    s.finished("a", None, [], 0, False, PROMPT)
+    # after the lease the prefill may have reused the blocks: refused, and the claim on
+    # them is forgotten (claims live no longer than leases)
+    monkeypatch.setattr(time, "time", lambda: lease_ms / 1000 + 1)
+    assert s.matched_tokens("b", PROMPT, compose_params(REMOTE), 0) == (0, False)
+    fresh = dataclasses.replace(REMOTE, request_id="cmpl-9", lease_expires_at_ms=lease_ms + 60_000)
+    assert s.matched_tokens("c", PROMPT, compose_params(fresh), 0) == (70, True)
+    assert [key[1] for key in s._claims] == ["cmpl-9"]
+
+
+def test_prefill_does_not_offer_a_request_id_that_is_still_held() -> None:
+    # a client reusing request ids: a second hold under the same id would be freed by
+    # the first one's ReadDone, so its KV is not offered until vLLM freed the first
+    s = SchedulerSide(engine_id="p", block_size=32, tp_size=1, is_producer=True, is_consumer=False)
+    s.set_producers([ProducerRank(0, "tcp://h:1", 11)])
+    want = {"do_remote_decode": True}
+    assert s.finished("x", want, [1, 2, 3], 70, True, PROMPT)[0] is True
+    assert s.finished("x", want, [4, 5, 6], 70, True, PROMPT) == (False, None)
+    assert [h.block_ids for h in s.take_step().holds] == [(1, 2, 3)]
+    s.freed({"x"})
+    assert s.finished("x", want, [4, 5, 6], 70, True, PROMPT)[0] is True
 
 
 def test_prefill_peers_config_is_a_list_of_addresses() -> None:

@@ -125,8 +125,8 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(
-            request.request_id, len(request.prompt_token_ids or ()),
-            request.kv_transfer_params, num_computed_tokens,
+            request.request_id, request.prompt_token_ids, request.kv_transfer_params,
+            num_computed_tokens,
         )  # fmt: skip
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -146,7 +146,12 @@ class KvxferConnector(KVConnectorBase_V1):
             request.request_id, request.kv_transfer_params, block_ids,
             request.num_computed_tokens,
             request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
+            request.prompt_token_ids,
         )  # fmt: skip
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None and connector_output.finished_sending:
+            self._scheduler.freed(connector_output.finished_sending)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:  # fmt: skip
         if self._scheduler is None:

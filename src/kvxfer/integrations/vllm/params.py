@@ -9,15 +9,19 @@ integers do not survive a JavaScript proxy).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvxfer.errors import ProtocolError
 
-__all__ = ["PARAMS_VERSION", "RemotePrefill", "compose_params", "parse_params"]
+__all__ = ["PARAMS_VERSION", "RemotePrefill", "compose_params", "parse_params", "prompt_hash"]
 
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2  # 2: prompt_hash (params name the prompt they were made for)
+PROMPT_HASH_HEX = 32
 MAX_BLOCK_IDS = 1 << 20  # blocks of one request
 MAX_RANKS = 4096
 MAX_STR = 4096
@@ -38,7 +42,9 @@ class RemotePrefill:
         num_tokens: prompt tokens whose KV the prefill computed.
         lease_expires_at_ms: no later than this (prefill wall clock, ms since the epoch)
             the prefill may reuse the blocks: the decode never reads after it. None:
-            not stated (an older prefill).
+            not stated.
+        prompt_hash: :func:`prompt_hash` of the prefill's prompt: a decode request
+            with another prompt does not take this KV.
     """
 
     engine_id: str
@@ -50,6 +56,7 @@ class RemotePrefill:
     tp_size: int
     num_tokens: int
     lease_expires_at_ms: int | None = None
+    prompt_hash: str = ""
 
     @property
     def generation_map(self) -> dict[int, int]:
@@ -73,6 +80,7 @@ def compose_params(remote: RemotePrefill) -> dict[str, Any]:
             "block_size": remote.block_size,
             "num_tokens": remote.num_tokens,
             "lease_expires_at_ms": remote.lease_expires_at_ms,
+            "prompt_hash": remote.prompt_hash,
         },
     }
 
@@ -98,6 +106,15 @@ def _ints(v: Sequence[Any], name: str, limit: int, upper: int) -> tuple[int, ...
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < upper for x in v):
         raise ProtocolError(f"kv_transfer_params: {name} must hold integers in [0, {upper})")
     return tuple(int(x) for x in v)
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """A prompt's fingerprint in the params: BLAKE2b-128 of its token ids as little-endian
+    int64, hex. Tells a decode whether params were made for its prompt (a proxy that
+    sent one prefill's params with several prompts); not a defence against forgery
+    (that is the auth key's job)."""
+    raw = np.asarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(raw, digest_size=PROMPT_HASH_HEX // 2).hexdigest()
 
 
 def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
@@ -149,6 +166,11 @@ def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
     if lease_ms is not None and (isinstance(lease_ms, bool) or not isinstance(lease_ms, int)
                                  or not 0 < lease_ms < 1 << 53):  # fmt: skip
         raise ProtocolError("kv_transfer_params: kvxfer.lease_expires_at_ms must be an integer")
+    digest = _field(x, "prompt_hash", str, "kvxfer.")
+    if len(digest) != PROMPT_HASH_HEX or not set(digest) <= set("0123456789abcdef"):
+        raise ProtocolError(
+            f"kv_transfer_params: kvxfer.prompt_hash must be {PROMPT_HASH_HEX} lowercase hex digits"
+        )
     return RemotePrefill(
         engine_id=_field(params, "remote_engine_id", str, ""),
         request_id=_field(x, "request_id", str, "kvxfer."),
@@ -159,4 +181,5 @@ def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
         tp_size=tp_size,
         num_tokens=num_tokens,
         lease_expires_at_ms=lease_ms,
+        prompt_hash=digest,
     )

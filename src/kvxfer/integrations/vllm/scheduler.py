@@ -11,6 +11,16 @@ memory. It turns scheduler events into per-step jobs for the workers:
   blocks (``delay_free``) under a :class:`HoldJob` until the decode read them or the
   lease ended; its ``kv_transfer_params`` name the producer ranks and generations.
 
+A prefill's KV is read once: its producer frees the blocks at the first reader's
+ReadDone, so a second reader would read blocks the prefill may have reused. Hence
+params are single-use here: the first decode request that names a prefill request
+(the same prompt, within the lease) claims it; any other request naming it (parallel
+sampling's ``n > 1`` children share their parent's params; a resend of the same
+params) computes its prompt locally. A request whose prompt differs from the one the
+params were made for (one prefill's params sent with a list of prompts) computes
+locally too. On the prefill side a request id that is still held (a client reusing
+ids) is not offered again until vLLM reports the first one freed.
+
 One instance is used by vLLM's scheduler thread only (no locking).
 """
 
@@ -18,12 +28,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.errors import KvxferError
-from kvxfer.integrations.vllm.params import RemotePrefill, compose_params, parse_params
+from kvxfer.integrations.vllm.params import (
+    RemotePrefill,
+    compose_params,
+    parse_params,
+    prompt_hash,
+)
 
 __all__ = ["HoldJob", "LoadJob", "ProducerRank", "SchedulerSide", "StepJobs"]
 
@@ -71,6 +86,21 @@ class _Pending:
     num_local_tokens: int
 
 
+_ClaimKey = tuple[str, str, tuple[int, ...]]  # prefill engine, its request id, generations
+MAX_CLAIMS = 1 << 17  # claims kept at once (each ends with its lease)
+
+
+@dataclass(slots=True)
+class _Claim:
+    request_id: str  # the local request that may read it
+    until: float  # wall-clock s: the prefill's lease end; no read is possible after it
+    used: bool = False  # that request finished: nobody reads this KV any more
+
+
+def _claim_key(remote: RemotePrefill) -> _ClaimKey:
+    return remote.engine_id, remote.request_id, remote.generations
+
+
 class SchedulerSide:
     """Scheduler-side bookkeeping of the kvxfer vLLM connector.
 
@@ -101,6 +131,9 @@ class SchedulerSide:
         self.producers: dict[int, ProducerRank] = {}
         self._pending: dict[str, _Pending] = {}  # matched, waiting for allocation
         self._loaded: set[str] = set()  # a load was started: never offered twice
+        self._claims: dict[_ClaimKey, _Claim] = {}  # decode: who reads each prefill's KV
+        self._claimed: dict[str, _ClaimKey] = {}  # decode: local request -> its claim
+        self._held: set[str] = set()  # prefill: offered, not yet reported freed by vLLM
         self._step = StepJobs()
 
     def set_producers(self, ranks: Sequence[ProducerRank]) -> None:
@@ -108,9 +141,17 @@ class SchedulerSide:
         self.producers = {r.tp_rank: r for r in ranks}
 
     def matched_tokens(
-        self, request_id: str, prompt_len: int, params: Mapping[str, Any] | None, num_computed: int
+        self,
+        request_id: str,
+        prompt: Sequence[int] | None,
+        params: Mapping[str, Any] | None,
+        num_computed: int,
     ) -> tuple[int, bool]:
-        """``(tokens to load, load asynchronously)`` for a new request (vLLM's contract)."""
+        """``(tokens to load, load asynchronously)`` for a new request (vLLM's contract).
+
+        ``prompt``: the request's prompt token ids (None for a prompt given as embeddings:
+        never loaded, since no params can be checked against it).
+        """
         if not self.is_consumer:
             return 0, False
         try:
@@ -125,17 +166,57 @@ class SchedulerSide:
             # asked again after its load: a failed load under the "recompute" policy, or
             # a preemption; offering the same KV again could loop, so compute locally
             return 0, False
-        if remote.block_size != self.block_size:
-            log.warning("request %s: prefill block size %d != %d here; computing locally",
-                        request_id, remote.block_size, self.block_size)  # fmt: skip
+        why = self._refusal(request_id, prompt, remote)
+        if why:
+            log.warning("request %s: not loading the KV of prefill request %s (%s); "
+                        "computing locally", request_id, remote.request_id, why)  # fmt: skip
             return 0, False
+        assert prompt is not None  # _refusal checked it
         # the prefill computed ``num_tokens``; tokens past the prompt are not ours to take
-        available = min(prompt_len, remote.num_tokens)
+        available = min(len(prompt), remote.num_tokens)
         count = max(0, available - num_computed)
         if count == 0:
             return 0, False
+        self._claim(request_id, remote)
         self._pending[request_id] = _Pending(remote, num_computed)
         return count, True
+
+    def _refusal(self, request_id: str, prompt: Sequence[int] | None, remote: RemotePrefill) -> str:
+        """Why ``request_id`` may not read ``remote`` ("" if it may)."""
+        if remote.block_size != self.block_size:
+            return f"prefill block size {remote.block_size} != {self.block_size} here"
+        now = time.time()
+        if remote.lease_expires_at_ms is not None and now * 1000 >= remote.lease_expires_at_ms:
+            return "its lease has ended: the prefill may have reused the blocks"
+        if prompt is None or prompt_hash(prompt) != remote.prompt_hash:
+            return "the params were made for another prompt"
+        self._drop_old_claims(now)
+        claim = self._claims.get(_claim_key(remote))
+        if claim is not None and (claim.request_id != request_id or claim.used):
+            return f"request {claim.request_id} already took it (params are single-use)"
+        return ""
+
+    def _claim(self, request_id: str, remote: RemotePrefill) -> None:
+        key = _claim_key(remote)
+        if key in self._claims:
+            return  # asked again before its allocation: the same request's claim
+        until = (
+            remote.lease_expires_at_ms / 1000
+            if remote.lease_expires_at_ms is not None
+            else time.time() + self.lease_s
+        )
+        self._claims[key] = _Claim(request_id, until)
+        self._claimed[request_id] = key
+        while len(self._claims) > MAX_CLAIMS:  # bounded: the oldest goes first
+            del self._claims[next(iter(self._claims))]
+
+    def _drop_old_claims(self, now: float) -> None:
+        """Forget claims whose lease ended (a read after it is refused anyway), oldest first."""
+        while self._claims:
+            key = next(iter(self._claims))
+            if self._claims[key].until > now:
+                return
+            del self._claims[key]
 
     def after_alloc(
         self, request_id: str, block_ids: Sequence[int], num_external_tokens: int
@@ -168,17 +249,25 @@ class SchedulerSide:
         block_ids: Sequence[int],
         num_computed_tokens: int,
         is_length_capped: bool,
+        prompt: Sequence[int] | None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free_blocks, kv_transfer_params)`` for a finished request."""
         self._pending.pop(request_id, None)
         self._loaded.discard(request_id)
+        key = self._claimed.pop(request_id, None)
+        if key is not None and (claim := self._claims.get(key)) is not None:
+            claim.used = True  # read or not, this KV is nobody else's
         if not (self.is_producer and params and params.get("do_remote_decode")):
             return False, None
-        if not is_length_capped or not block_ids:
-            return False, None  # aborted or failed: nothing for a decode to read
+        if not is_length_capped or not block_ids or prompt is None:
+            return False, None  # aborted or failed (or embeddings): nothing to offer
         if len(self.producers) != self.tp_size:
             log.warning("request %s: producer ranks unknown (%d of %d); not offering its KV",
                         request_id, len(self.producers), self.tp_size)  # fmt: skip
+            return False, None
+        if request_id in self._held:
+            log.warning("request %s: a request with this id still holds blocks for a decode "
+                        "(a reused request id); not offering its KV", request_id)  # fmt: skip
             return False, None
         ranks = [self.producers[r] for r in range(self.tp_size)]
         remote = RemotePrefill(
@@ -192,6 +281,12 @@ class SchedulerSide:
             num_tokens=min(num_computed_tokens, len(block_ids) * self.block_size),
             # the workers' hold starts later than now, so its lease ends later than this
             lease_expires_at_ms=time.time_ns() // 1_000_000 + int(self.lease_s * 1000),
+            prompt_hash=prompt_hash(prompt),
         )
+        self._held.add(request_id)
         self._step.holds.append(HoldJob(request_id, remote.block_ids))
         return True, compose_params(remote)
+
+    def freed(self, request_ids: Iterable[str]) -> None:
+        """vLLM reports these held requests' blocks freed (every worker released them)."""
+        self._held.difference_update(request_ids)
