@@ -136,6 +136,7 @@ class WorkerSide:
         self.consumer: Consumer | None = None
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
+        self._unheld: dict[str, float] = {}  # hold failed to start: request -> monotonic release
 
     def register(self, tensors: Sequence[Any]) -> None:
         """Build the engines over this rank's per-layer KV tensors (layer order)."""
@@ -171,11 +172,28 @@ class WorkerSide:
         return self.producer.address, self.producer.generation
 
     def start(self, loads: Iterable[LoadJob], holds: Iterable[HoldJob]) -> None:
-        """Start this step's loads (non-blocking READs) and holds."""
+        """Start this step's loads (non-blocking READs) and holds.
+
+        One job that fails to start never stops the others (nor vLLM's step): a load
+        that cannot start is reported failed at the next :meth:`finished`; a hold that
+        cannot start keeps its blocks (vLLM frees them when this rank reports the
+        request finished) until the lease its params promised has passed, since a
+        decode may read them until then.
+        """
         for h in holds:
             if self.producer is None:
                 continue
-            self.producer.hold(h.request_id, block_ids=h.block_ids)
+            try:
+                self.producer.hold(h.request_id, block_ids=h.block_ids)
+            except Exception as e:  # one bad job must not stop the step
+                if self.producer.held_block_ids(h.request_id) is not None:
+                    # its id is held already (the scheduler side never offers that):
+                    # that hold's release reports the id; reporting it twice would not do
+                    log.error("request %s: already held; not held again (%s)", h.request_id, e)
+                    continue
+                log.error("request %s: could not hold its blocks (%s: %s); kept until the "
+                          "lease ends", h.request_id, type(e).__name__, e)  # fmt: skip
+                self._unheld[h.request_id] = time.monotonic() + self.settings.lease_s
         loads = list(loads)
         if loads:  # a load may start a first contact's thread
             with threads_on_every_cpu():
@@ -199,7 +217,7 @@ class WorkerSide:
                     else job.remote.lease_expires_at_ms * 1_000_000
                 ),
             )  # fmt: skip
-        except KvxferError as e:
+        except Exception as e:  # reported as this load's failure
             self._loads[job.request_id] = _Load(job, None, f"{type(e).__name__}: {e}")
             return
         self._loads[job.request_id] = _Load(job, t)
@@ -232,6 +250,11 @@ class WorkerSide:
 
     def _collect(self) -> tuple[set[str], set[str]]:
         sending: set[str] = set()
+        if self._unheld:
+            now = time.monotonic()
+            for rid in [r for r, t in self._unheld.items() if t <= now]:
+                del self._unheld[rid]
+                sending.add(rid)
         if self.producer is not None:
             for rid, reason in self.producer.pop_freed():  # only ids this worker held
                 sending.add(rid)

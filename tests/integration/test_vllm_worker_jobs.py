@@ -1,0 +1,65 @@
+"""One job of a step that fails to start never stops the step's other jobs, nor vLLM's
+worker (an exception out of ``bind_connector_metadata`` ends the engine). Real NIXL
+engines in one process; no vLLM."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvxfer.engine import EngineConfig, Producer, allocate_cache
+from kvxfer.integrations.vllm.scheduler import HoldJob
+from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
+from kvxfer.layout.presets import spec_for
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+
+
+def _side(lease_s: float = 120.0) -> WorkerSide:
+    return WorkerSide(
+        WorkerSettings(
+            "e", 0, 1, 16, 2, "CPU_ATTN", True, True, "tiny-gqa", "float16", lease_s=lease_s
+        )
+    )
+
+
+class _RefusingProducer(Producer):
+    """A real producer whose ``hold`` fails for one request id (a seam for the error)."""
+
+    def hold(self, request_id: str, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        if request_id == "refused":
+            raise RuntimeError("no room")
+        return super().hold(request_id, *args, **kwargs)
+
+
+def test_a_duplicate_hold_does_not_stop_the_steps_other_jobs() -> None:
+    with Producer(EngineConfig("wjp", model_name="tiny-gqa"), [(SPEC, allocate_cache(SPEC))]) as p:
+        side = _side()
+        side.producer = p
+        p.hold("dup", block_ids=[1])
+        side.start([], [HoldJob("dup", (2,)), HoldJob("next", (3,))])  # raised before
+        assert p.num_held == 2
+        assert p.held_block_ids("next") == frozenset({3})
+        assert p.held_block_ids("dup") == frozenset({1})  # the first hold stands
+        assert side.finished() == (set(), set())  # nothing reported twice
+
+
+def test_a_hold_that_fails_keeps_its_blocks_until_the_lease_it_promised() -> None:
+    # a decode may read the blocks until the lease in the params: vLLM must not free
+    # them sooner, so the request is reported finished only when that lease has passed
+    cfg = EngineConfig("wjr", model_name="tiny-gqa")
+    with _RefusingProducer(cfg, [(SPEC, allocate_cache(SPEC))]) as p:
+        side = _side(lease_s=0.3)
+        side.producer = p
+        t0 = time.monotonic()
+        side.start([], [HoldJob("refused", (2,)), HoldJob("next", (3,))])
+        assert p.held_block_ids("next") == frozenset({3})
+        assert side.finished() == (set(), set())
+        while not (got := side.finished())[0]:
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.02)
+        assert got == ({"refused"}, set())
+        assert time.monotonic() - t0 >= 0.3
