@@ -1,5 +1,6 @@
-"""The CI case: P1->D1 in a real vLLM, 4 prompts, token equality and the negative
-control, in one pair of instance lifetimes (~3 min with start-up on 2 cores)."""
+"""The CI case: P1->D1 in a real vLLM, 4 prompts, token equality, the negative
+control, params made for another prompt, and parallel sampling, in one pair of
+instance lifetimes (~3 min with start-up on 2 cores)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,19 @@ def test_negative_control_decode_uses_transferred_kv(ci: dict[str, Any]) -> None
     assert neg["finish_reason"] == "length"
     assert len(neg["tokens"]) == 8
     assert neg["tokens"] != neg["ref"], "decoding A with B's KV gave A's tokens"
+
+
+def test_params_made_for_another_prompt_compute_locally(ci: dict[str, Any]) -> None:
+    # B's params as a proxy could mix them up: the decode sees they name another prompt
+    mis = ci["negative"]["mismatch"]
+    assert mis["finish_reason"] == "length"
+    assert mis["tokens"] == mis["ref"], "prompt A decoded from the KV of B's params"
+    assert any("made for another prompt" in ln for ln in ci["log"]), ci["log"]
+
+
+def test_parallel_sampling_children_take_the_kv_once(ci: dict[str, Any]) -> None:
+    # n=2: vLLM gives both children the parent's params; one reads, one computes
+    par = ci["parallel"]
+    assert len(par["all_tokens"]) == 2
+    assert par["equal"], par
+    assert sum("already took it" in ln for ln in ci["log"]) == 1, ci["log"]

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvxfer.integrations.vllm.params import prompt_hash
 from kvxfer.testing.vllm_pd import kv_transfer_config
 
 __all__ = ["completion", "run_http", "start_server"]
@@ -106,10 +107,13 @@ def run_http(a: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
                 "finish_reason": choice.get("finish_reason"),
                 "elapsed_s": round(time.perf_counter() - t, 3),
             })  # fmt: skip
-        # negative control: prompt A decoded (directly on D) with prompt B's KV
+        # negative control: prompt A decoded (directly on D) with prompt B's KV (its params
+        # re-stamped with A's prompt hash, else the decode computes A locally)
         a_prompt, b_prompt = prompts[-1], [(t * 7 + 3) % 1000 + 3 for t in prompts[-1]]
         b_params = completion(p_url, a.model, b_prompt, 1, {"do_remote_decode": True})
-        neg = completion(d_url, a.model, a_prompt, max_tokens, b_params["kv_transfer_params"])
+        forged = b_params["kv_transfer_params"]
+        forged["kvxfer"]["prompt_hash"] = prompt_hash(a_prompt)
+        neg = completion(d_url, a.model, a_prompt, max_tokens, forged)
         negative = {"tokens": neg["choices"][0].get("token_ids"), "ref": records[-1]["ref"],
                     "finish_reason": neg["choices"][0].get("finish_reason")}  # fmt: skip
         return {"init_s": round(init_s, 1), "records": records, "negative": negative}

@@ -76,13 +76,14 @@ def _make_llm(opts: dict[str, Any]) -> Any:
     return LLM(**kw)
 
 
-def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[str, Any] | None,
+             n: int = 1) -> dict[str, Any]:  # fmt: skip
     from vllm.sampling_params import RequestOutputKind
 
     from vllm import SamplingParams
 
     sp = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+        max_tokens=max_tokens, n=n, temperature=0.0, ignore_eos=True, detokenize=False,
         output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": dict(params)} if params else None,
     )  # fmt: skip
@@ -90,7 +91,7 @@ def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[s
     rid = f"r{time.monotonic_ns()}"
     t0 = time.perf_counter()
     engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
-    tokens: list[int] = []
+    by_index: dict[int, list[int]] = {i: [] for i in range(n)}  # parallel sampling's children
     ttft = None
     out_params = None
     finish_reason = None
@@ -100,10 +101,10 @@ def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[s
         now = time.perf_counter()
         done = False
         for o in outs:
-            new = list(o.outputs[0].token_ids) if o.outputs else []
-            if new and ttft is None:
-                ttft = now - t0
-            tokens += new
+            for c in o.outputs:
+                if c.token_ids and ttft is None:
+                    ttft = now - t0
+                by_index[c.index] += list(c.token_ids)
             if o.kv_transfer_params is not None:
                 out_params = o.kv_transfer_params
             if o.num_cached_tokens is not None:
@@ -114,7 +115,7 @@ def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[s
         if done:
             break
     return {
-        "tokens": tokens, "ttft_s": ttft, "total_s": time.perf_counter() - t0, "t_add": t0,
+        "tokens": by_index[0], "all_tokens": [by_index[i] for i in range(n)], "ttft_s": ttft, "total_s": time.perf_counter() - t0, "t_add": t0,
         "kv_transfer_params": json.loads(json.dumps(out_params)) if out_params else None,
         "num_cached_tokens": cached, "finish_reason": finish_reason,
     }  # fmt: skip
@@ -153,7 +154,8 @@ def _child(conn: Any, opts: dict[str, Any]) -> None:
             if cmd == "stop":
                 break
             try:
-                r = _run_one(llm, payload["prompt"], payload["max_tokens"], payload.get("params"))
+                r = _run_one(llm, payload["prompt"], payload["max_tokens"], payload.get("params"),
+                             payload.get("n", 1))  # fmt: skip
                 conn.send(("ok", r))
             except Exception:
                 conn.send(("err", traceback.format_exc()))
@@ -212,10 +214,11 @@ class Instance:
         return self.init_s
 
     def gen(self, prompt: Sequence[int], max_tokens: int, params: Mapping[str, Any] | None = None,
-            timeout_s: float = 300) -> dict[str, Any]:  # fmt: skip
-        """Run one greedy request; return tokens, ttft_s, total_s, kv_transfer_params..."""
+            timeout_s: float = 300, n: int = 1) -> dict[str, Any]:  # fmt: skip
+        """Run one greedy request (``n`` > 1: parallel sampling, every child's tokens in
+        ``all_tokens``); return tokens, ttft_s, total_s, kv_transfer_params..."""
         self.conn.send(
-            ("gen", {"prompt": list(prompt), "max_tokens": max_tokens, "params": params})
+            ("gen", {"prompt": list(prompt), "max_tokens": max_tokens, "params": params, "n": n})
         )
         if not self.conn.poll(timeout_s):
             raise TimeoutError(f"{self.role}: request not done after {timeout_s} s")

@@ -9,8 +9,10 @@ Runs under the vLLM environment's Python (``scripts/_vllm_venv.sh``); the tests 
     python -m kvxfer.testing.vllm_scenarios http --json out.json
 
 Scenarios:
-    ci: one prefill and one decode (TP 1); 4 prompts, decode tokens vs colocated, and
-        the negative control (prompt A decoded with prompt B's KV).
+    ci: one prefill and one decode (TP 1); 4 prompts, decode tokens vs colocated; the
+        negative control (prompt A decoded with prompt B's KV, its params re-stamped
+        with A's prompt hash); B's params as they are with prompt A (computed locally);
+        parallel sampling (n=2: one child reads, the other computes locally).
     tokens: a colocated reference, then each TP pair ``P-D`` over 18 prompts.
     faults: lease expiry, a prefill killed before the decode reads, a restarted
         prefill on the same port (fresh and stale params), one decode instance.
@@ -30,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvxfer.integrations.vllm.params import prompt_hash
 from kvxfer.testing.vllm_pd import Instance, make_prompts
 
 __all__ = ["SCENARIOS", "main", "prompt_set"]
@@ -78,22 +81,43 @@ def _refs(inst: Instance, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 def _negative(p: Instance, d: Instance, a_prompt: list[int], a_ref: list[int]) -> dict[str, Any]:
-    """Decode prompt A with the KV of prompt B (same length): tokens must differ."""
+    """Prompt A with the params of prompt B (same length): as they are, the decode sees
+    they were made for another prompt and computes A locally (tokens equal A's); re-stamped
+    with A's prompt hash (what a proxy mixing up params would need to forge), the decode
+    takes them and decodes from B's KV: the tokens must differ, or the decode did not
+    really use the KV it was handed."""
     b_prompt = make_prompts(1, VOCAB, [len(a_prompt)], seed=99)[0]
     b_params = p.gen(b_prompt, 1, PREFILL)["kv_transfer_params"]
-    rec = _pd(p, d, a_prompt, a_ref, params=b_params)
-    return {**rec, "differs": rec["tokens"] != a_ref}
+    mismatch = _pd(p, d, a_prompt, a_ref, params=b_params)
+    b_params = p.gen(b_prompt, 1, PREFILL)["kv_transfer_params"]  # a fresh hold of B's KV
+    forged = {**b_params, "kvxfer": {**b_params["kvxfer"], "prompt_hash": prompt_hash(a_prompt)}}
+    rec = _pd(p, d, a_prompt, a_ref, params=forged)
+    return {**rec, "differs": rec["tokens"] != a_ref, "mismatch": mismatch}
+
+
+def _parallel(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> dict[str, Any]:
+    """Parallel sampling (n=2) on the decode: vLLM hands both children their parent's
+    params; one reads the KV, the other computes locally (params are single-use)."""
+    params = p.gen(prompt, 1, PREFILL)["kv_transfer_params"]
+    r = d.gen(prompt, MAX_TOKENS, params, n=2)
+    return {"all_tokens": r["all_tokens"], "ref": ref,
+            "equal": all(t == ref for t in r["all_tokens"])}  # fmt: skip
 
 
 def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(4, VOCAB, [40, 70, 129, 17], seed=1)
     neg = make_prompts(1, VOCAB, [70], seed=7)[0]
+    par = make_prompts(1, VOCAB, [100], seed=5)[0]
     p, d = _start("prefill", a, "kvxfer", "0"), _start("decode", a, "kvxfer", "1")
     try:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready()}
-        refs = _refs(p, [*prompts, neg])
+        refs = _refs(p, [*prompts, neg, par])
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
-        return {"init": init, "records": records, "negative": _negative(p, d, neg, refs[-1])}
+        return {
+            "init": init, "records": records, "negative": _negative(p, d, neg, refs[-2]),
+            "parallel": _parallel(p, d, par, refs[-1]),
+            "log": _log_lines(d, "already took it", "made for another prompt"),
+        }  # fmt: skip
     finally:
         p.stop()
         d.stop()
@@ -186,6 +210,7 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
         for q in make_prompts(48, VOCAB, [200], seed=11):  # 48 x 7 blocks > 256
             p.gen(q, 1)
         out["lease"] = _pd(p, d, lease_q, refs[1], params=lease_params)
+        out["lease_log"] = _log_lines(d, "lease has ended")
         # kill the prefill after its prefill, before the decode reads
         kill_params = p.gen(kill_q, 1, PREFILL)["kv_transfer_params"]
         stale_params = p.gen(stale_q, 1, PREFILL)["kv_transfer_params"]
@@ -214,9 +239,10 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
         d.stop()
 
 
-def _log_lines(inst: Instance, key: str) -> list[str]:
+def _log_lines(inst: Instance, *keys: str) -> list[str]:
+    """The lines of ``inst``'s log that hold any of ``keys`` (their last 300 characters)."""
     with open(inst.log_path, errors="replace") as f:
-        return [ln.strip()[-300:] for ln in f if key in ln]
+        return [ln.strip()[-300:] for ln in f if any(k in ln for k in keys)]
 
 
 def _free_port() -> int:
