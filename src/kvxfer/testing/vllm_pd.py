@@ -83,7 +83,10 @@ def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[s
     from vllm import SamplingParams
 
     sp = SamplingParams(
-        max_tokens=max_tokens, n=n, temperature=0.0, ignore_eos=True, detokenize=False,
+        # greedy: vLLM refuses n > 1 with temperature 0, so n > 1 samples with top_k=1
+        # (always the most likely token: greedy's tokens, barring exact ties)
+        max_tokens=max_tokens, n=n, temperature=0.0 if n == 1 else 1.0, top_k=1 if n > 1 else 0,
+        ignore_eos=True, detokenize=False,
         output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": dict(params)} if params else None,
     )  # fmt: skip
