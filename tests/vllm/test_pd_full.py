@@ -88,6 +88,8 @@ def test_restarted_prefill_serves_the_same_decode(faults: dict[str, Any]) -> Non
 
 def test_stale_params_from_killed_prefill_fail_cleanly(faults: dict[str, Any]) -> None:
     _never_wrong(faults["stale"], faults["policy"])
+    (line,) = faults["stale_log"]  # the load was tried and refused: the pin, not the lease
+    assert "generation" in line, line
 
 
 def test_expired_lease_never_yields_tokens_from_reused_blocks(faults: dict[str, Any]) -> None:

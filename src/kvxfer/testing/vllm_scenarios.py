@@ -220,7 +220,13 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
         p = _start("prefill2", a, "kvxfer", "0", **popts)
         p.wait_ready()
         out["restarted"] = _pd(p, d, fresh_q, refs[4])
+        # stale: the params of a killed incarnation whose lease has not ended (this
+        # scenario's 3 s lease is over by now: re-stamped with the end a 120 s lease
+        # would give), so the decode tries, and the generation pin must refuse the read
+        x = stale_params["kvxfer"]
+        stale_params["kvxfer"] = {**x, "lease_expires_at_ms": x["lease_expires_at_ms"] + 120_000}
         out["stale"] = _pd(p, d, stale_q, refs[3], params=stale_params)
+        out["stale_log"] = _log_lines(d, "KV load ended")[-1:]
         out["restarted_after_stale"] = _pd(p, d, fresh2_q, refs[5])
         # the decode's load starts while the prefill hangs (SIGSTOP: its side channel and
         # UCX progress are frozen, its sockets open), then the prefill is killed mid-load
