@@ -300,3 +300,14 @@ def test_engine_threads_are_not_pinned_to_the_workers_cores() -> None:
     th.start()
     th.join()
     assert seen == {"engine": everyone, "worker": {0}}
+
+
+def test_claims_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvxfer.integrations.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "MAX_CLAIMS", 3)
+    s = _decode_side()
+    for i in range(5):
+        fresh = compose_params(dataclasses.replace(REMOTE, request_id=f"cmpl-{i}"))
+        assert s.matched_tokens(f"r{i}", PROMPT, fresh, 0) == (70, True)
+    assert [key[1] for key in s._claims] == ["cmpl-2", "cmpl-3", "cmpl-4"]

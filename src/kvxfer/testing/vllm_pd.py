@@ -118,7 +118,8 @@ def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[s
         if done:
             break
     return {
-        "tokens": by_index[0], "all_tokens": [by_index[i] for i in range(n)], "ttft_s": ttft, "total_s": time.perf_counter() - t0, "t_add": t0,
+        "tokens": by_index[0], "all_tokens": [by_index[i] for i in range(n)], "ttft_s": ttft,
+        "total_s": time.perf_counter() - t0, "t_add": t0,
         "kv_transfer_params": json.loads(json.dumps(out_params)) if out_params else None,
         "num_cached_tokens": cached, "finish_reason": finish_reason,
     }  # fmt: skip

@@ -190,7 +190,6 @@ class SchedulerSide:
             return "its lease has ended: the prefill may have reused the blocks"
         if prompt is None or prompt_hash(prompt) != remote.prompt_hash:
             return "the params were made for another prompt"
-        self._drop_old_claims(now)
         claim = self._claims.get(_claim_key(remote))
         if claim is not None and (claim.request_id != request_id or claim.used):
             return f"request {claim.request_id} already took it (params are single-use)"
@@ -200,23 +199,17 @@ class SchedulerSide:
         key = _claim_key(remote)
         if key in self._claims:
             return  # asked again before its allocation: the same request's claim
-        until = (
-            remote.lease_expires_at_ms / 1000
-            if remote.lease_expires_at_ms is not None
-            else time.time() + self.lease_s
-        )
+        now = time.time()
+        lease = remote.lease_expires_at_ms
+        until = lease / 1000 if lease is not None else now + self.lease_s
+        # forget claims whose lease ended (a read after it is refused anyway), oldest
+        # first, and keep the count bounded
+        while self._claims and (
+            len(self._claims) >= MAX_CLAIMS or next(iter(self._claims.values())).until <= now
+        ):
+            del self._claims[next(iter(self._claims))]
         self._claims[key] = _Claim(request_id, until)
         self._claimed[request_id] = key
-        while len(self._claims) > MAX_CLAIMS:  # bounded: the oldest goes first
-            del self._claims[next(iter(self._claims))]
-
-    def _drop_old_claims(self, now: float) -> None:
-        """Forget claims whose lease ended (a read after it is refused anyway), oldest first."""
-        while self._claims:
-            key = next(iter(self._claims))
-            if self._claims[key].until > now:
-                return
-            del self._claims[key]
 
     def after_alloc(
         self, request_id: str, block_ids: Sequence[int], num_external_tokens: int
