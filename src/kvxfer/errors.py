@@ -17,6 +17,7 @@ Every error kvxfer raises derives from :class:`KvxferError`. Bad caller input
     +-- TransferError                      NIXL reported a failure for a transfer
     |   +-- PeerLostError                  the peer died or restarted (stale generation)
     |   +-- LeaseExpiredError              the producer's lease on the blocks ended before the read
+    |   +-- HoldEndedError                 the hold ended before the read was checked: not DONE
     +-- DeadlineError(TimeoutError)        a request passed its deadline
     +-- WaitTimeout(TimeoutError)          the caller's own wait ran out; the request goes on
     +-- ClosedError(RuntimeError)          the engine was closed: a usage error, not a fault
@@ -32,6 +33,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DeadlineError",
+    "HoldEndedError",
     "IncompatibleError",
     "InputError",
     "KvxferError",
@@ -88,6 +90,12 @@ class PeerLostError(TransferError):
 class LeaseExpiredError(TransferError):
     """The producer's lease on a request's blocks ended (or nearly): they may belong to
     another request now, so they are not read."""
+
+
+class HoldEndedError(TransferError):
+    """The producer's hold on a request's blocks ended before the READ of them was
+    checked (another reader read them first, an abort, the lease): they may have been
+    reused under the READ, so its bytes are not reported (:mod:`kvxfer.engine.holds`)."""
 
 
 class DeadlineError(KvxferError, TimeoutError):

@@ -92,7 +92,7 @@ def _producer_main(conn: Connection, opts: dict[str, Any]) -> None:
             op = cmd[0]
             if op == "hold":
                 leases = [prod.hold(rid, n, cmd[2]) for rid, n in cmd[1]]
-                conn.send(("ok", [getattr(x, "expires_at_ns", None) for x in leases]))
+                conn.send(("ok", [x.expires_at_ns for x in leases], [x.ticket for x in leases]))
             elif op == "stats":
                 conn.send(("stats", _stats(prod, freed)))
             elif op in ("wait_free", "stop"):
@@ -141,6 +141,7 @@ class ProducerProc:
         self.address = ""
         self.generation = 0
         self.agent_name = ""
+        self.tickets: dict[str, int] = {}  # held request -> its hold ticket
 
     def launch(self) -> ProducerProc:
         self.proc.start()
@@ -174,9 +175,13 @@ class ProducerProc:
 
     def hold(self, items: Iterable[tuple[str, int]], lease_s: float | None = None) -> list[Any]:
         """Hold requests ``(request_id, num_blocks)``; returns once the producer did, with
-        each lease's end (``Lease.expires_at_ns``, producer wall clock)."""
-        self.conn.send(("hold", list(items), lease_s))
-        return list(self._reply(REPLY_TIMEOUT_S, "ok")[1])
+        each lease's end (``Lease.expires_at_ns``, producer wall clock); each hold's
+        ticket goes to :attr:`tickets`."""
+        items = list(items)
+        self.conn.send(("hold", items, lease_s))
+        reply = self._reply(REPLY_TIMEOUT_S, "ok")
+        self.tickets.update(zip((rid for rid, _ in items), reply[2], strict=True))
+        return list(reply[1])
 
     def stats(self) -> dict[str, Any]:
         self.conn.send(("stats",))

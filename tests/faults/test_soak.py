@@ -156,7 +156,8 @@ def test_chaos_soak(keyed: bool, closing) -> None:  # type: ignore[no-untyped-de
                     (exp,) = procs[i].hold([(rid, 2)])
                     t = cons.read(rid, addrs[i], local_block_ids=lids, remote_block_ids=rids,
                                   deadline_s=DEADLINE_S, generation=procs[i].generation,
-                                  lease_expires_at_ns=exp)  # fmt: skip
+                                  lease_expires_at_ns=exp,
+                                  hold_ticket=procs[i].tickets[rid])  # fmt: skip
                 else:
                     t = cons.push(rid, addrs[i], local_block_ids=lids, remote_block_ids=rids,
                                   deadline_s=DEADLINE_S)  # fmt: skip

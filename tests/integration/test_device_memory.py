@@ -48,13 +48,15 @@ def test_engines_register_and_prepare_device_memory_as_vram(consumer_kind: str, 
     ):  # fmt: skip
         p_layout = prod.ranks[0].layout
         assert {(r.mem_kind, r.device_id) for r in p_layout.regions} == {(MemKind.VRAM, 3)}
-        assert prod.ranks[0].backend.registered_kinds() == {MemKind.VRAM}
+        # the cache as VRAM; beside it, DRAM words: the hold table / the check landing slots
+        assert prod.ranks[0].backend.registered_kinds() == {MemKind.VRAM, MemKind.DRAM}
         want = MemKind(consumer_kind)
-        assert cons.ranks[0].backend.registered_kinds() == {want}
+        assert cons.ranks[0].backend.registered_kinds() == {want, MemKind.DRAM}
         lids, rids = np.array([1, 3, 4]), np.array([9, 2, 5])
-        prod.hold("r", block_ids=rids)
-        if mode == "pull":
-            t = cons.read("r", prod.address, local_block_ids=lids, remote_block_ids=rids)
+        lease = prod.hold("r", block_ids=rids)
+        if mode == "pull":  # the hold check reads DRAM words after the (VRAM) data READ
+            t = cons.read("r", prod.address, local_block_ids=lids, remote_block_ids=rids,
+                          hold_ticket=lease.ticket)  # fmt: skip
         else:
             t = cons.push("r", prod.address, local_block_ids=lids, remote_block_ids=rids)
         # DONE means every list was prepared under its memory's kind: the backend

@@ -13,6 +13,7 @@ from kvxfer.errors import ConfigError
 from kvxfer.layout.model import DeviceBuffer
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.wire import compat_hash, model_facts
+from kvxfer.wire.limits import MAX_HOLD_SLOTS
 
 __all__ = ["U8", "Buffer", "EngineConfig", "RequestState", "allocate_cache", "check_seconds"]
 
@@ -90,6 +91,9 @@ class EngineConfig:
         auth_key: deployment key (>= 16 bytes) authenticating the side channel and
             notifications (HMAC-SHA256, :mod:`kvxfer.wire.auth`); None: unauthenticated
             (loopback only). ``kvxfer.wire.auth.load_auth_key()`` reads ``KVXFER_AUTH_KEY``.
+        hold_slots: size of a producer rank's hold table (8 bytes a slot, registered
+            DRAM that readers check after their READ, see :mod:`kvxfer.engine.holds`):
+            at most this many requests held at once.
     """
 
     engine_id: str
@@ -108,12 +112,21 @@ class EngineConfig:
     lease_margin_s: float = 0.5
     max_run_blocks: int = 1  # measured: NIXL 1.5 merges dense consecutive indices itself
     auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
+    hold_slots: int = 1 << 16
 
     def check(self) -> None:
         """Raise ConfigError naming the first setting that is not a valid number."""
         for name in ("deadline_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):
             check_seconds(name, getattr(self, name))
         check_seconds("lease_margin_s", self.lease_margin_s, allow_zero=True)
+        if (
+            isinstance(self.hold_slots, bool)
+            or not isinstance(self.hold_slots, int)
+            or not 1 <= self.hold_slots <= MAX_HOLD_SLOTS
+        ):
+            raise ConfigError(
+                f"hold_slots must be an integer in [1, {MAX_HOLD_SLOTS}], got {self.hold_slots!r}"
+            )
 
     @property
     def run_blocks(self) -> int:

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
 from kvxfer.engine.contact import FirstContact
+from kvxfer.engine.holds import CHECK_SLOTS, check_ticket
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
@@ -75,7 +76,9 @@ class Consumer(FirstContact):
         try:
             for spec, bufs in ranks:
                 name = f"{config.engine_id}-d{spec.tp_rank}-{self.generation:x}"
-                self.ranks[spec.tp_rank] = RankCache(spec, bufs, name, config, backend_factory)
+                self.ranks[spec.tp_rank] = RankCache(
+                    spec, bufs, name, config, backend_factory, words=CHECK_SLOTS
+                )
             records = encode_records(self.ranks.values(), self.generation, self.compat_hash)
             # push mode: producers fetch this engine's records here
             self.server: SideChannelServer | None = serve_records(config, records)
@@ -150,6 +153,7 @@ class Consumer(FirstContact):
         deadline_s: float | None = None,
         generation: int | Mapping[int, int] | None = None,
         lease_expires_at_ns: int | None = None,
+        hold_ticket: int | None = None,
     ) -> Transfer:
         """Start reading a request's blocks from the producer at ``address`` (pull mode).
 
@@ -165,14 +169,22 @@ class Consumer(FirstContact):
         (:attr:`~kvxfer.engine.leases.Lease.expires_at_ns` from the producer's ``hold``):
         the READ is never posted within ``lease_margin_s`` of it (the request ends
         FAILED with :class:`~kvxfer.errors.LeaseExpiredError`), and posting it asks the
-        producer to extend the lease over the request's deadline.
+        producer to extend the lease over the request's deadline. ``hold_ticket``
+        (:attr:`~kvxfer.engine.leases.Lease.ticket`): after the READ, the producer's
+        hold table is read too, and the request is DONE only if the hold was still alive
+        after the blocks were copied (else FAILED with
+        :class:`~kvxfer.errors.HoldEndedError`; a hold that has not started yet is
+        checked again until the deadline); the producer is told it was read only then.
+        Without it, bytes read after the hold ended (a second reader of the same
+        params, say) cannot be told from the held ones.
         """
-        t = self._request(
+        if hold_ticket is not None:
+            check_ticket(hold_ticket)
+        return self._request(
             XferOp.READ, request_id, address, local_block_ids, remote_block_ids,
             local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s, generation,
+            lease_expires_at_ns=lease_expires_at_ns, hold_ticket=hold_ticket or 0,
         )  # fmt: skip
-        t.lease_expires_at_ns = lease_expires_at_ns
-        return t
 
     def push(
         self,
@@ -211,6 +223,9 @@ class Consumer(FirstContact):
         ranks: Sequence[int] | None,
         deadline_s: float | None,
         generation: int | Mapping[int, int] | None,
+        *,
+        lease_expires_at_ns: int | None = None,
+        hold_ticket: int = 0,
     ) -> Transfer:
         if self._closed:
             raise ClosedError(f"consumer closed: request {request_id!r} refused")
@@ -227,7 +242,8 @@ class Consumer(FirstContact):
         )  # fmt: skip
         t = Transfer(
             request_id, self._context, self._peer(address), deadline, ids, chosen, op,
-            generation=generation,
+            generation=generation, lease_expires_at_ns=lease_expires_at_ns,
+            hold_ticket=hold_ticket,
         )  # fmt: skip
         self._inbox.add(t)  # close() aborts it; push notices find it by attempt
         return t

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import NoReturn
 
+import numpy as np
+
 from kvxfer.engine.config import EngineConfig, check_seconds
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
@@ -150,6 +152,7 @@ class FirstContact:
                 raise LayoutError(f"{peer.address}: several records claim the same TP rank")
             layouts = {r.tp_rank: layout_from_record(r) for r in recs}
             peer.generations = {r.tp_rank: r.generation for r in recs}
+            peer.holds = {r.tp_rank: (r.hold_addr, r.hold_slots) for r in recs}
             names = {r.tp_rank: r.agent_name for r in recs}
             t1 = time.perf_counter()  # fetched and decoded
             peer.enter("build")
@@ -237,6 +240,11 @@ class FirstContact:
                 peer.lists[(d, src.rank)] = (loc, rem)
                 peer.num_rows += src.num_rows * 2
                 peer.num_descriptors += loc.num_descriptors + rem.num_descriptors
+                addr, slots = peer.holds.get(src.rank, (0, 0))
+                if slots:  # its hold table: one strided row (kvxfer.engine.holds)
+                    row = np.array([[addr, 8, 0, 8, slots]], np.uint64)
+                    peer.hold_lists[(d, src.rank)] = backend.prepare(row, names[src.rank])
+            self.ranks[d].words_list_ready()
 
     def _wire_up(self, peer: PeerInfo) -> None:
         """Send each producer rank one no-op notification from each of our ranks: UCX

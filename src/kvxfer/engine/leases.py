@@ -38,11 +38,15 @@ class Lease:
             producer frees only ``lease_margin_s`` after it, so clocks may differ by up
             to the margin (NTP keeps hosts far closer).
         generation: the producer's incarnation (pass it as ``read(generation=)``).
+        ticket: the hold's ticket (pass it as ``read(hold_ticket=)``): the consumer
+            checks after its READ that the hold was still alive
+            (:mod:`kvxfer.engine.holds`); 0: none.
     """
 
     request_id: str
     expires_at_ns: int
     generation: int
+    ticket: int = 0
 
 
 @dataclass(slots=True)
@@ -167,6 +171,12 @@ class LeaseTable:
             return False
         self._release(request_id, FreeReason.ABORTED)
         return True
+
+    def forget(self, request_id: str) -> bool:
+        """Stop holding a request without reporting it in :meth:`pop_freed` (its owner
+        frees it), and drop a release of it not yet reported; False if it was not held."""
+        self._freed = [f for f in self._freed if f[0] != request_id]
+        return self._entries.pop(request_id, None) is not None
 
     def expire(self, now: float) -> list[str]:
         """Release every request whose lease ended at or before ``now``; return their ids."""

@@ -39,6 +39,8 @@ class PeerInfo:
     lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
     agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
     mem_kinds: dict[int, MemKind] = field(default_factory=dict)  # remote rank -> its memory
+    holds: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> hold table
+    hold_lists: dict[tuple[int, int], PreparedList] = field(default_factory=dict)  # (d, r)
     timings_s: dict[str, float] = field(default_factory=dict)
     num_rows: int = 0
     num_descriptors: int = 0

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 
 from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
+from kvxfer.engine.holds import TicketBook, held_word, released_word, slot_of
 from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
@@ -76,15 +77,19 @@ class Producer:
         try:
             for spec, bufs in ranks:
                 name = f"{config.engine_id}-p{spec.tp_rank}-{self.generation:x}"
-                self.ranks.append(RankCache(spec, bufs, name, config, backend_factory))
+                self.ranks.append(
+                    RankCache(spec, bufs, name, config, backend_factory, words=config.hold_slots)
+                )
             self._tables = {r.rank: LeaseTable(config.lease_s) for r in self.ranks}
+            self._book = TicketBook(config.hold_slots)  # hold tickets (kvxfer.engine.holds)
+            self._tickets: dict[str, int] = {}  # held request -> its ticket
             self._pending_free: dict[str, set[int]] = {}
             self._held_ids: dict[str, frozenset[int]] = {}
             self._freed: list[tuple[str, FreeReason]] = []
             self._freed_ready = threading.Event()  # set while _freed is not empty
             self.num_rejected = 0
             self.num_errors = 0
-            records = encode_records(self.ranks, self.generation, self.compat_hash)
+            records = encode_records(self.ranks, self.generation, self.compat_hash, holds=True)
             self.server = serve_records(config, records)
             self._pusher = PushWorker(
                 {r.rank: r for r in self.ranks},
@@ -140,6 +145,7 @@ class Producer:
         lease_s: float | None = None,
         *,
         block_ids: Sequence[int] | None = None,
+        ticket: int | None = None,
     ) -> Lease:
         """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired.
 
@@ -150,10 +156,19 @@ class Producer:
             block_ids: the producer's (logical) block ids of the request: a push naming
                 other remote blocks for this request is refused (FAILED). Pull reads
                 are one-sided, so for pull this is bookkeeping only.
+            ticket: the hold's ticket (:mod:`kvxfer.engine.holds`), when the caller
+                handed it out before the hold (e.g. with the params of a request whose
+                hold starts later); default: the next free one. It must be newer than
+                every ticket its slot had, in a slot no live hold uses.
 
         Returns:
-            The lease: hand ``expires_at_ns`` (and ``generation``) to the consumer with
-            the block ids, so it never reads after the lease ended.
+            The lease: hand ``expires_at_ns``, ``generation`` and ``ticket`` to the
+            consumer with the block ids, so it never reads after the lease ended and
+            never reports bytes read after the hold ended.
+
+        Raises:
+            ConfigError: the request is held already, a bad count or lease, a ticket
+                that cannot be used, or every hold slot in use (nothing is held then).
         """
         lease = self.config.lease_s if lease_s is None else check_seconds("lease_s", lease_s)
         held = None if block_ids is None else frozenset(int(b) for b in block_ids)
@@ -161,14 +176,37 @@ class Producer:
             if held is None:
                 raise ConfigError("hold needs num_blocks or block_ids")
             num_blocks = len(held)
+        if num_blocks < 0:
+            raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
         now, wall_ns = time.monotonic(), time.time_ns()
         with self._lock:
+            if request_id in self._pending_free:
+                raise ConfigError(f"request {request_id!r} is already held")
+            if ticket is None:
+                ticket = self._book.take()
+            else:
+                self._book.claim(ticket)
             for t in self._tables.values():
                 t.hold(request_id, num_blocks, now, lease)
             self._pending_free[request_id] = set()
             if held is not None:
                 self._held_ids[request_id] = held
-        return Lease(request_id, wall_ns + int(lease * 1e9), self.generation)
+            self._tickets[request_id] = ticket
+            slot = slot_of(ticket, self._book.num_slots)
+            for r in self.ranks:
+                r.words[slot] = held_word(ticket)
+        return Lease(request_id, wall_ns + int(lease * 1e9), self.generation, ticket)
+
+    def _end_hold(self, request_id: str) -> None:
+        """The hold ended: say so in its slot (before the caller may reuse the blocks) and
+        give the slot back (lock held)."""
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is None:
+            return
+        slot = slot_of(ticket, self._book.num_slots)
+        for r in self.ranks:
+            r.words[slot] = released_word(ticket)
+        self._book.free(ticket)
 
     def release(self, request_id: str) -> bool:
         """Stop holding ``request_id`` now, on every rank (the caller frees its blocks; it
@@ -176,9 +214,12 @@ class Producer:
         with self._lock:
             if self._pending_free.pop(request_id, None) is None:
                 return False
+            self._end_hold(request_id)
             self._held_ids.pop(request_id, None)
             for t in self._tables.values():
-                t.abort(request_id)
+                # not reported: a freed entry left behind would be taken for a new hold
+                # of the same id made before the engine thread collected it
+                t.forget(request_id)
             return True
 
     def held_block_ids(self, request_id: str) -> frozenset[int] | None:
@@ -259,6 +300,16 @@ class Producer:
             return
         table, now = self._tables[rank], time.monotonic()
         with self._lock:
+            if (
+                isinstance(msg, ReadDone | Abort)
+                and msg.ticket
+                and self._tickets.get(msg.request_id) != msg.ticket
+            ):  # about another hold of this request id (one that ended; the id was held
+                # again since): it must not free this one
+                self.num_rejected += 1
+                log.info("rank %d: notice for ended hold %d of %r dropped", rank, msg.ticket,
+                         msg.request_id)  # fmt: skip
+                return
             if isinstance(msg, ReadDone):
                 # with ``now``: a read that overtook its hold counts when the hold comes
                 table.ack(
@@ -301,6 +352,7 @@ class Producer:
                 seen.add(rank)
                 if len(seen) == len(self._tables):
                     del self._pending_free[rid]
+                    self._end_hold(rid)
                     self._held_ids.pop(rid, None)
                     self._freed.append((rid, reason))
                     self._freed_ready.set()

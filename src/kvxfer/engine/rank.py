@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvxfer.engine.config import U8, Buffer, EngineConfig
 from kvxfer.errors import ConfigError, KvxferError, LayoutError, TransferError
@@ -35,6 +36,9 @@ class RankCache:
     The buffers must outlive the rank; :meth:`close` deregisters them.
     ``backend_factory`` builds the agent from its name (default: a NixlBackend from
     ``config``; e.g. ``kvxfer.testing.MemoryBackend`` for in-process tests).
+    ``words``: 64-bit words of DRAM registered beside the cache (:attr:`words`): a
+    producer's hold table, a consumer's landing slots for hold checks
+    (:mod:`kvxfer.engine.holds`); 0 for none.
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class RankCache:
         agent_name: str,
         config: EngineConfig,
         backend_factory: BackendFactory | None = None,
+        words: int = 0,
     ) -> None:
         sizes = spec.region_bytes()
         if len(bufs) != len(sizes) or any(b.nbytes != n for b, n in zip(bufs, sizes, strict=True)):
@@ -70,11 +75,16 @@ class RankCache:
                 auth_key=config.auth_key,
             )
         )
+        self.words: npt.NDArray[np.uint64] = np.zeros(words, np.uint64)
+        self.words_list: Any = None  # the consumer's prepared list over words (lazily)
+        self.word_cursor = 0
         try:
             self.backend.register(
                 [(r.base_addr, r.num_bytes, r.device_id) for r in self.layout.regions],
                 self.mem_kind,
             )
+            if words:
+                self.backend.register([(self.words.ctypes.data, self.words.nbytes, 0)])
         except TransferError as e:
             self.backend.close()
             raise TransferError(
@@ -84,6 +94,23 @@ class RankCache:
         except BaseException:
             self.backend.close()
             raise
+
+    def words_list_ready(self) -> Any:
+        """The prepared local list over :attr:`words` (one strided row; made on first
+        use). The caller holds the engine lock."""
+        if self.words_list is None and self.words.size:
+            row = np.array([[self.words.ctypes.data, 8, 0, 8, self.words.size]], np.uint64)
+            self.words_list = self.backend.prepare(row)
+        return self.words_list
+
+    def next_word(self) -> int:
+        """A word of :attr:`words` for one hold check, round-robin (zeroed; under the
+        engine lock): a check READ released early may still land in its word, so a
+        word is reused as late as possible."""
+        i = self.word_cursor
+        self.word_cursor = (i + 1) % self.words.size
+        self.words[i] = 0
+        return i
 
     def host_bufs(self) -> list[U8]:
         """The buffers as NumPy arrays, for host-side work (relayout after a transfer);
@@ -211,9 +238,14 @@ def new_generation() -> int:
 
 
 def encode_records(
-    caches: Iterable[RankCache], generation: int, compat_hash: str
+    caches: Iterable[RankCache], generation: int, compat_hash: str, *, holds: bool = False
 ) -> dict[int, bytes]:
-    """The handshake records an engine serves on its side channel, by TP rank."""
+    """The handshake records an engine serves on its side channel, by TP rank (with
+    ``holds``: each rank's :attr:`RankCache.words` published as its hold table)."""
+
+    def table(c: RankCache) -> tuple[int, int]:
+        return (c.words.ctypes.data, c.words.size) if holds and c.words.size else (0, 0)
+
     return {
         c.rank: encode_record(
             record_from_layout(
@@ -221,6 +253,7 @@ def encode_records(
                 agent_name=c.backend.name,
                 agent_metadata=c.backend.metadata(),
                 generation=generation,
+                hold_table=table(c),
             ),
             compat_hash,
         )

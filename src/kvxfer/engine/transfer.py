@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.engine.config import EngineConfig, RequestState
+from kvxfer.engine.holds import HoldVerdict, slot_of, verdict
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache
 from kvxfer.engine.relayout import relayout_bsr
@@ -26,6 +27,7 @@ from kvxfer.errors import (
     CancelledError,
     ClosedError,
     DeadlineError,
+    HoldEndedError,
     KvxferError,
     LeaseExpiredError,
     PeerLostError,
@@ -39,6 +41,8 @@ from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
 __all__ = ["RequestContext", "Transfer", "new_attempt", "num_bytes"]
 
 log = logging.getLogger(__name__)
+
+CHECK_AGAIN_S = 0.001  # a hold not started yet: its slot is read again this much later
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,11 @@ class Transfer(RequestEnd):
     settled: set[tuple[int, int]] = field(default_factory=set)  # push: Cancelled seen
     failed_reason: str | None = None  # push: the producer's Failed notice
     lease_expires_at_ns: int | None = None  # pull: the producer's lease end (its wall clock)
+    hold_ticket: int = 0  # pull: the hold's ticket, checked after the READ (0: none)
+    read_pairs: list[tuple[int, int]] = field(default_factory=list)  # (local, remote rank)
+    checks: list[tuple[int, int, int]] = field(default_factory=list)  # (local, remote, word)
+    check_after: float = 0.0  # monotonic: a hold not started yet is checked again then
+    num_checks: int = 0  # hold checks posted (a hold not started yet costs more than one)
     quarantine_until: float = 0.0  # push: monotonic bound of the quarantine (see RequestState)
     _ended: threading.Event = field(default_factory=threading.Event, repr=False)
     _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -210,18 +219,70 @@ class Transfer(RequestEnd):
                     raise self.peer.error
                 return self.state
             self._renew()
-            pending = []
-            for d, x in self.xfers:
-                if ctx.ranks[d].backend.poll(x) is XferState.IN_PROGRESS:
-                    pending.append((d, x))
-                else:
-                    x.release()
-            self.xfers = pending
-            if not pending:
+            self._poll_xfers()
+            if not self.xfers and self.hold_ticket:
+                if not self.checks:
+                    self._post_checks()  # the data has landed: was the hold still alive?
+                    self._poll_xfers()
+                if self.checks and not self.xfers:
+                    self._judge_checks()
+            if not self.xfers and not self.checks and not self.check_after:
                 self._finish()
         except KvxferError as e:
             self._fail(e)
         return self.state
+
+    def _poll_xfers(self) -> None:
+        backends = self.context.ranks
+        pending = []
+        for d, x in self.xfers:
+            if backends[d].backend.poll(x) is XferState.IN_PROGRESS:
+                pending.append((d, x))
+            else:
+                x.release()
+        self.xfers = pending
+
+    def _post_checks(self) -> None:
+        """READ the hold's slot word from every producer rank this request read
+        (:mod:`kvxfer.engine.holds`), each into a word of our own."""
+        if time.monotonic() < self.check_after:
+            return
+        self.check_after = 0.0
+        ctx, peer = self.context, self.peer
+        for d, r in self.read_pairs:
+            cache = ctx.ranks[d]
+            _, slots = peer.holds[r]
+            i = cache.next_word()
+            x = cache.backend.make_xfer(
+                XferOp.READ, cache.words_list_ready(), np.array([i], np.int32),
+                peer.hold_lists[(d, r)], np.array([slot_of(self.hold_ticket, slots)], np.int32),
+            )  # fmt: skip
+            self.xfers.append((d, x))
+            self.checks.append((d, r, i))
+            self.num_checks += 1
+            cache.backend.post(x)
+
+    def _judge_checks(self) -> None:
+        """Every slot word has landed: DONE only if each says the hold is alive."""
+        ctx, peer, ticket = self.context, self.peer, self.hold_ticket
+        words = [(r, int(ctx.ranks[d].words[i])) for d, r, i in self.checks]
+        self.checks = []
+        verdicts = [verdict(w, ticket) for _, w in words]
+        if HoldVerdict.RELEASED in verdicts:
+            r, w = next((r, w) for r, w in words if verdict(w, ticket) is HoldVerdict.RELEASED)
+            raise HoldEndedError(
+                f"request {self.request_id!r}: {peer.address} rank {r} had ended hold "
+                f"{ticket} (slot word {w:#x}) when its READ was checked: another reader read "
+                "these params first, an abort or the lease freed the blocks, which may have "
+                "been reused under the READ; its bytes are not reported"
+            )
+        if HoldVerdict.NOT_YET in verdicts:  # the producer has not started the hold yet
+            self.check_after = time.monotonic() + CHECK_AGAIN_S
+            return
+        for d, r in self.read_pairs:  # only now may the producer free the blocks
+            size = ctx.ranks[d].spec.tp_size
+            done = ReadDone(self.request_id, peer.generations[r], d, size, self.attempt, ticket)
+            ctx.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
 
     def _where(self) -> str:
         """Where the request stood: the first-contact phase, or its transfers in flight."""
@@ -236,6 +297,10 @@ class Transfer(RequestEnd):
             waiting = len(self.expected - self.written)
             return (f"waiting for the push from {peer.address} ({since}): {waiting} of "
                     f"{len(self.expected)} producer rank(s) had not confirmed")  # fmt: skip
+        if self.check_after or self.checks:
+            return (f"checking hold {self.hold_ticket} at {peer.address} after its READ "
+                    f"({since}, {self.num_checks} checks: the producer had not started "
+                    "the hold)")  # fmt: skip
         return (f"with {len(self.xfers)} READ(s) from {peer.address} still in flight "
                 f"({self.num_descriptors} descriptors, {since})")  # fmt: skip
 
@@ -262,6 +327,8 @@ class Transfer(RequestEnd):
             self._post_push()
             return
         self._renew(force=True)  # first: the producer's lease now covers the deadline
+        if self.hold_ticket:
+            self._check_hold_tables()
         for d in self.ranks:
             plan = peer.plans[d]
             req = self.ids.plan(plan)
@@ -273,7 +340,10 @@ class Transfer(RequestEnd):
                     continue
                 loc, rem = peer.lists[(d, ids.rank)]
                 gen = peer.generations[ids.rank]
-                msg = encode_msg(ReadDone(self.request_id, gen, d, size, self.attempt))
+                msg = b""  # with a ticket, ReadDone goes after the hold check
+                if not self.hold_ticket:
+                    msg = encode_msg(ReadDone(self.request_id, gen, d, size, self.attempt))
+                self.read_pairs.append((d, ids.rank))
                 x = backend.make_xfer(XferOp.READ, loc, ids.local_ids, rem, ids.remote_ids, msg)
                 self.xfers.append((d, x))
                 self.num_descriptors += ids.num_descriptors
@@ -281,6 +351,17 @@ class Transfer(RequestEnd):
                 if backend.post(x) is XferState.DONE:
                     pass  # polled (and released) below
             self.notify.extend((d, r) for r in req.notify_only)
+
+    def _check_hold_tables(self) -> None:
+        peer = self.peer
+        for d in self.ranks:
+            for src in peer.plans[d].sources:
+                if (d, src.rank) not in peer.hold_lists:
+                    raise TransferError(
+                        f"request {self.request_id!r} has hold ticket {self.hold_ticket}, but "
+                        f"{peer.address} rank {src.rank} publishes no hold table (an older "
+                        "kvxfer?): the read could not be checked, so it is not made"
+                    )
 
     def _post_push(self) -> None:
         ctx = self.context
@@ -314,7 +395,9 @@ class Transfer(RequestEnd):
         peer = self.peer
         for d, r in self.notify:  # tell ranks that were not read (MLA, GQA dedup, empty) to free
             size = ctx.ranks[d].spec.tp_size
-            done = ReadDone(self.request_id, peer.generations[r], d, size, self.attempt)
+            done = ReadDone(
+                self.request_id, peer.generations[r], d, size, self.attempt, self.hold_ticket
+            )
             ctx.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
         for d in self.ranks:
             plan = self.peer.plans[d]
@@ -364,7 +447,9 @@ class Transfer(RequestEnd):
         if self.posted_at and self.peer.agents:  # tell every producer rank it may free the blocks
             for rank, agent in self.peer.agents.items():
                 gen = self.peer.generations[rank]
-                msg = encode_msg(Abort(self.request_id, gen, self.state.value, self.attempt))
+                msg = encode_msg(
+                    Abort(self.request_id, gen, self.state.value, self.attempt, self.hold_ticket)
+                )
                 for d in self.ranks:
                     try:
                         ctx.ranks[d].backend.send_notif(agent, msg)

@@ -49,6 +49,7 @@ MAX_BLOCK_ID = 1 << 40  # a logical block id on the wire (PushRequest.BlockIds)
 MAX_SMALL_INT = 1 << 32  # SmallInt: sizes, ranks, counts of heads, layers...
 MAX_U64 = (1 << 64) - 1  # U64: addresses, byte sizes, generations
 MAX_MSG_BYTES = 64 << 10  # one notification / control message
+MAX_HOLD_SLOTS = 1 << 24  # a producer rank's hold table (8 bytes a slot: 128 MiB)
 MAX_RANKS = 4096  # ranks named in one side-channel request or reply
 MAX_SIDE_REQUEST_BYTES = 64 << 10
 MAX_SIDE_REPLY_BYTES = 64 << 20

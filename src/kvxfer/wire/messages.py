@@ -47,6 +47,7 @@ class ReadDone(_Msg, frozen=True, tag="rd"):
     consumer_rank: SmallInt
     consumer_size: SmallInt
     attempt: U64 = 0
+    ticket: U64 = 0  # the hold it read (kvxfer.engine.holds); 0: none named
 
 
 class WriteDone(_Msg, frozen=True, tag="wd"):
@@ -66,6 +67,7 @@ class Abort(_Msg, frozen=True, tag="ab"):
     generation: U64
     reason: Reason = ""
     attempt: U64 = 0
+    ticket: U64 = 0  # the hold it gave up on; 0: none named
 
 
 class Failed(_Msg, frozen=True, tag="fl"):

@@ -26,6 +26,7 @@ from kvxfer.wire.limits import (
     MAX_COUNT,
     MAX_DESCRIPTORS,
     MAX_HASH_LEN,
+    MAX_HOLD_SLOTS,
     MAX_RECORD_BYTES,
     MAX_REGIONS,
     MAX_VIEWS,
@@ -89,6 +90,10 @@ class LayoutRecord(Struct, frozen=True, kw_only=True):
     generation: U64
     schema_version: SmallInt
     device_kind: Annotated[str, Meta(max_length=16)] = "DRAM"
+    # a producer rank's hold table (kvxfer.engine.holds): DRAM words readers check after
+    # their READ; 0 slots: none published (a consumer's record, or an older producer)
+    hold_addr: U64 = 0
+    hold_slots: Annotated[int, Meta(ge=0, le=MAX_HOLD_SLOTS)] = 0
 
 
 class _VersionOnly(Struct):
@@ -159,6 +164,10 @@ def check_record(rec: LayoutRecord, error: type[Exception] = ProtocolError) -> N
         raise error(f"agent_metadata: {len(rec.agent_metadata)} bytes exceeds the limit")
     if not 0 <= rec.generation <= MAX_ADDR:
         raise error(f"generation {rec.generation} not a uint64")
+    if not 0 <= rec.hold_slots <= MAX_HOLD_SLOTS or (rec.hold_slots and rec.hold_addr <= 0):
+        raise error(f"hold table: {rec.hold_slots} slots at address {rec.hold_addr}")
+    if rec.hold_addr + 8 * rec.hold_slots > MAX_ADDR:
+        raise error(f"hold table: {rec.hold_slots} slots at {rec.hold_addr} end past 2**64")
     for i, r in enumerate(rec.regions):
         if not (0 <= r.base_addr <= MAX_ADDR and 0 <= r.num_bytes <= MAX_ADDR - r.base_addr):
             raise error(f"regions[{i}]: base_addr {r.base_addr} + num_bytes {r.num_bytes} > 2**64")
@@ -217,9 +226,15 @@ def decode_record(buf: bytes, expected_hash: str) -> LayoutRecord:
 
 
 def record_from_layout(
-    layout: CacheLayout, *, agent_name: str, agent_metadata: bytes, generation: int
+    layout: CacheLayout,
+    *,
+    agent_name: str,
+    agent_metadata: bytes,
+    generation: int,
+    hold_table: tuple[int, int] = (0, 0),
 ) -> LayoutRecord:
-    """Return the record a producer publishes for ``layout``."""
+    """Return the record a producer publishes for ``layout`` (``hold_table``: the
+    ``(address, slots)`` of its hold table; ``(0, 0)`` for none)."""
     return LayoutRecord(
         regions=tuple(
             RegionRecord(r.base_addr, r.num_bytes, r.device_id, r.name, r.mem_kind.value)
@@ -244,6 +259,8 @@ def record_from_layout(
         agent_metadata=agent_metadata,
         generation=generation,
         schema_version=SCHEMA_VERSION,
+        hold_addr=hold_table[0],
+        hold_slots=hold_table[1],
     )
 
 

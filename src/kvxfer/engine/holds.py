@@ -1,0 +1,153 @@
+"""Hold tickets: how a reader learns, after its READ, that the blocks it read were still
+held while it read them (pure).
+
+A pull READ is one-sided: the producer's CPU never sees it. Its lease and generation
+bound *when* a reader may post, but not what happens when two readers hold the same
+params (a router that retried on another decode engine, a client that sent them
+twice): the producer frees a request's blocks at the first reader's ``ReadDone``,
+reuses them, and the second reader's READ may copy the next request's bytes, which
+used to be reported DONE.
+
+So every hold gets a **ticket**: a positive integer, increasing per producer, whose
+**slot** is ``ticket % num_slots`` in a small table of 64-bit words each producer rank
+registers (DRAM) and publishes in its handshake record. The producer writes the slot's
+word ``held_word(ticket)`` when the hold starts, and ``released_word(ticket)`` when the
+hold ends (read, aborted, expired or released), *before* the caller may reuse the
+blocks. A reader with the ticket READs the blocks (no notification attached), then
+READs the slot word, and only then tells the producer it has read:
+
+- the word is ``held_word(ticket)``: the hold was alive after the blocks were copied,
+  so no byte of them was reused: DONE;
+- it is ``released_word(ticket)`` or any later ticket's word: the blocks may have been
+  reused under the READ: the request fails and its bytes are never reported;
+- it is an older ticket's word: the hold has not started yet (a reader faster than the
+  producer's bookkeeping; the caller kept the blocks since it handed out the params):
+  check again until the deadline.
+
+Words in one slot only grow (tickets increase), so an old word is never mistaken for
+a newer one. Ordering: the producer's store of the released word happens before the
+caller learns the hold ended (under the producer's lock), so before any reuse; the
+reader posts its check only after its data READ completed.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from kvxfer.errors import ConfigError
+
+__all__ = [
+    "CHECK_SLOTS",
+    "HoldVerdict",
+    "TicketBook",
+    "held_word",
+    "released_word",
+    "slot_of",
+    "verdict",
+]
+
+MAX_TICKET = (1 << 62) - 1  # words are ticket << 1 | released: they fit 63 bits
+CHECK_SLOTS = 4096  # words a consumer rank reads slot words into (used round-robin)
+
+
+def held_word(ticket: int) -> int:
+    """The slot word while ``ticket``'s hold lives."""
+    return ticket << 1
+
+
+def released_word(ticket: int) -> int:
+    """The slot word once ``ticket``'s hold has ended."""
+    return (ticket << 1) | 1
+
+
+def slot_of(ticket: int, num_slots: int) -> int:
+    return ticket % num_slots
+
+
+def check_ticket(ticket: object) -> int:
+    """``ticket`` as an int; ConfigError naming it unless it is in ``[1, MAX_TICKET]``."""
+    if isinstance(ticket, bool) or not isinstance(ticket, int) or not 1 <= ticket <= MAX_TICKET:
+        raise ConfigError(f"hold ticket must be an integer in [1, 2**62), got {ticket!r}")
+    return ticket
+
+
+class HoldVerdict(str, Enum):
+    """What a slot word read after a READ says about the ticket's hold."""
+
+    HELD = "held"  # the hold was alive: the bytes read are the held ones
+    RELEASED = "released"  # it ended (or a later hold took the slot): bytes may be reused
+    NOT_YET = "not_yet"  # it has not started: check again
+
+
+def verdict(word: int, ticket: int) -> HoldVerdict:
+    if word == held_word(ticket):
+        return HoldVerdict.HELD
+    if word > held_word(ticket):
+        return HoldVerdict.RELEASED
+    return HoldVerdict.NOT_YET
+
+
+class TicketBook:
+    """Which slots live holds use, and the next ticket (pure; not thread-safe: the
+    producer, or a vLLM scheduler side that hands tickets out, owns it).
+
+    ``take()`` gives the next ticket whose slot is free; ``claim(t)`` records a ticket
+    given by someone else (it must be newer than every ticket this slot had);
+    ``free(t)`` gives its slot back.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ConfigError(f"num_slots must be a positive integer, got {num_slots!r}")
+        self.num_slots = num_slots
+        self._next = 1
+        self._live: dict[int, int] = {}  # slot -> ticket
+        self._last: dict[int, int] = {}  # slot -> newest ticket it had (bounded by num_slots)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def take(self) -> int:
+        """The next ticket whose slot no live hold uses (recorded as live).
+
+        Raises:
+            ConfigError: every slot is in use.
+        """
+        if len(self._live) >= self.num_slots:
+            raise ConfigError(
+                f"all {self.num_slots} hold slots are in use: raise hold_slots or free holds"
+            )
+        t = self._next
+        while slot_of(t, self.num_slots) in self._live:
+            t += 1
+        self.claim(t)
+        return t
+
+    def claim(self, ticket: int) -> None:
+        """Record ``ticket`` (given by the caller) as live.
+
+        Raises:
+            ConfigError: not a ticket, its slot is in use, or not newer than the slot's
+                last ticket (a reader could take an old word for it).
+        """
+        check_ticket(ticket)
+        slot = slot_of(ticket, self.num_slots)
+        if slot in self._live:
+            raise ConfigError(
+                f"hold ticket {ticket}: slot {slot} is in use by ticket {self._live[slot]}"
+            )
+        if ticket <= self._last.get(slot, 0):
+            raise ConfigError(
+                f"hold ticket {ticket} is not newer than slot {slot}'s last ({self._last[slot]})"
+            )
+        self._live[slot] = ticket
+        self._last[slot] = ticket
+        self._next = max(self._next, ticket + 1)
+
+    def free(self, ticket: int) -> bool:
+        """Give ``ticket``'s slot back; False if it was not live."""
+        slot = slot_of(ticket, self.num_slots)
+        if self._live.get(slot) != ticket:
+            return False
+        del self._live[slot]
+        return True
