@@ -31,6 +31,7 @@ REMOTE = RemotePrefill(
     num_tokens=70,
     lease_expires_at_ms=time.time_ns() // 1_000_000 + 3_600_000,
     prompt_hash=prompt_hash(PROMPT),
+    hold_ticket=41,
 )
 
 
@@ -52,7 +53,10 @@ def test_params_without_remote_prefill_name_none() -> None:
     ("mutate", "match"),
     [
         (lambda p: p.pop("kvxfer"), "kvxfer is missing"),
-        (lambda p: p["kvxfer"].update(version=1), "version is 1, expected 2"),
+        (lambda p: p["kvxfer"].update(version=2), "version is 2, expected 3"),
+        (lambda p: p["kvxfer"].pop("hold_ticket"), "kvxfer.hold_ticket is missing"),
+        (lambda p: p["kvxfer"].update(hold_ticket=0), r"hold_ticket 0 not in \[1, 2\*\*53\)"),
+        (lambda p: p["kvxfer"].update(hold_ticket="7"), "hold_ticket must be an integer"),
         (lambda p: p["kvxfer"].pop("prompt_hash"), "kvxfer.prompt_hash is missing"),
         (lambda p: p["kvxfer"].update(prompt_hash="ab" * 15), "32 lowercase hex"),
         (lambda p: p["kvxfer"].update(prompt_hash="AB" * 16), "32 lowercase hex"),
@@ -132,7 +136,7 @@ def test_prefill_holds_finished_requests_and_names_its_ranks() -> None:
         False,
         None,
     )
-    s.set_producers([ProducerRank(1, "tcp://h:2", 22), ProducerRank(0, "tcp://h:1", 11)])
+    s.set_producers([ProducerRank(1, "tcp://h:2", 22, 64), ProducerRank(0, "tcp://h:1", 11, 64)])
     delay, params = s.finished("b", {"do_remote_decode": True}, [1, 2, 3], 70, True, PROMPT)
     assert delay is True
     remote = parse_params(params)
@@ -237,7 +241,7 @@ def test_prefill_does_not_offer_a_request_id_that_is_still_held() -> None:
     # a client reusing request ids: a second hold under the same id would be freed by
     # the first one's ReadDone, so its KV is not offered until vLLM freed the first
     s = SchedulerSide(engine_id="p", block_size=32, tp_size=1, is_producer=True, is_consumer=False)
-    s.set_producers([ProducerRank(0, "tcp://h:1", 11)])
+    s.set_producers([ProducerRank(0, "tcp://h:1", 11, 64)])
     want = {"do_remote_decode": True}
     assert s.finished("x", want, [1, 2, 3], 70, True, PROMPT)[0] is True
     assert s.finished("x", want, [4, 5, 6], 70, True, PROMPT) == (False, None)
@@ -311,3 +315,54 @@ def test_claims_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> Non
         fresh = compose_params(dataclasses.replace(REMOTE, request_id=f"cmpl-{i}"))
         assert s.matched_tokens(f"r{i}", PROMPT, fresh, 0) == (70, True)
     assert [key[1] for key in s._claims] == ["cmpl-2", "cmpl-3", "cmpl-4"]
+
+
+def _prefill_side(slots: int = 4) -> SchedulerSide:
+    s = SchedulerSide(engine_id="p", block_size=32, tp_size=2, is_producer=True, is_consumer=False)
+    s.set_producers(
+        [ProducerRank(0, "tcp://h:1", 11, slots + 3), ProducerRank(1, "tcp://h:2", 22, slots)]
+    )
+    return s
+
+
+def test_prefill_hands_each_hold_a_ticket_the_params_and_the_workers_share() -> None:
+    s = _prefill_side()
+    want = {"do_remote_decode": True}
+    params = [s.finished(f"q{i}", want, [i], 20, True, PROMPT)[1] for i in range(3)]
+    tickets = [parse_params(p).hold_ticket for p in params]  # type: ignore[union-attr]
+    assert tickets == [1, 2, 3]  # increasing, so a slot's word only grows
+    assert [(h.request_id, h.ticket) for h in s.take_step().holds] == [
+        ("q0", 1),
+        ("q1", 2),
+        ("q2", 3),
+    ]
+
+
+def test_prefill_offers_nothing_when_every_hold_slot_is_in_use() -> None:
+    s = _prefill_side(slots=4)  # the smaller table of the two ranks
+    want = {"do_remote_decode": True}
+    for i in range(4):
+        assert s.finished(f"q{i}", want, [i], 20, True, PROMPT)[0] is True
+    assert s.finished("q4", want, [4], 20, True, PROMPT) == (False, None)  # computed locally
+    s.freed({"q1"})  # vLLM freed one: its slot is free again, under a newer ticket
+    delay, params = s.finished("q5", want, [5], 20, True, PROMPT)
+    assert delay is True
+    ticket = parse_params(params).hold_ticket  # type: ignore[union-attr]
+    assert ticket > 4 and ticket % 4 == 2  # q1 had ticket 2: slot 2
+
+
+def test_prefill_without_hold_tables_offers_nothing() -> None:
+    s = SchedulerSide(engine_id="p", block_size=32, tp_size=1, is_producer=True, is_consumer=False)
+    s.set_producers([ProducerRank(0, "tcp://h:1", 11)])  # an older worker: no table
+    assert s.finished("q", {"do_remote_decode": True}, [1], 20, True, PROMPT) == (False, None)
+
+
+def test_hold_slots_config_is_a_bounded_integer() -> None:
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.worker import hold_slots
+
+    assert hold_slots(1 << 16) == 65536
+    assert hold_slots("1024") == 1024
+    for bad in (0, -1, 1 << 25, 2.5, True, "many"):
+        with pytest.raises(ConfigError, match="hold_slots must be an integer"):
+            hold_slots(bad)

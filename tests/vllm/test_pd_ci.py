@@ -50,3 +50,15 @@ def test_parallel_sampling_children_take_the_kv_once(ci: dict[str, Any]) -> None
     assert len(par["all_tokens"]) == 2
     assert par["equal"], par
     assert sum("already took it" in ln for ln in ci["log"]) == 1, ci["log"]
+
+
+def test_params_read_again_on_another_engine_are_refused(ci: dict[str, Any]) -> None:
+    # a router retrying the same params on a second decode engine, after the prefill
+    # freed (first reader's ReadDone) and reused the blocks: the second READ copies
+    # other prompts' KV; its hold check refuses it, and the prompt is recomputed
+    two = ci["two_engines"]
+    assert two["first"]["tokens"] == two["first"]["ref"], two["first"]
+    assert two["second"]["finish_reason"] == "length"
+    assert two["second"]["tokens"] == two["second"]["ref"], "decoded from reused blocks"
+    (line,) = [ln for ln in two["log"] if "had ended hold" in ln]
+    assert "another reader read these params first" in line

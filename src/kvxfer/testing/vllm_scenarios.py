@@ -12,7 +12,9 @@ Scenarios:
     ci: one prefill and one decode (TP 1); 4 prompts, decode tokens vs colocated; the
         negative control (prompt A decoded with prompt B's KV, its params re-stamped
         with A's prompt hash); B's params as they are with prompt A (computed locally);
-        parallel sampling (n=2: one child reads, the other computes locally).
+        parallel sampling (n=2: one child reads, the other computes locally); the same
+        params on a second decode engine after the prefill reused the blocks (its hold
+        check refuses the read; recomputed).
     tokens: a colocated reference, then each TP pair ``P-D`` over 18 prompts.
     faults: lease expiry, a prefill killed before the decode reads, a restarted
         prefill on the same port (fresh and stale params), one decode instance.
@@ -104,23 +106,47 @@ def _parallel(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> di
             "equal": all(t == ref for t in r["all_tokens"])}  # fmt: skip
 
 
+def _two_engines(p: Instance, d: Instance, d2: Instance, prompt: list[int], ref: list[int],
+                 pool_blocks: int) -> dict[str, Any]:  # fmt: skip
+    """The same params on two decode engines (a router retrying elsewhere): ``d`` reads
+    the KV and the prefill frees its blocks; the prefill then serves other prompts
+    (``pool_blocks`` is its pool: every block is reallocated and overwritten); ``d2``
+    reads with the same params. Its READ copies the other prompts' KV, and the hold
+    check must refuse it: its load fails (recomputed or failed, by policy), never
+    decoded from those bytes."""
+    params = p.gen(prompt, 1, PREFILL)["kv_transfer_params"]
+    first = _pd(p, d, prompt, ref, params=params)
+    n = -(-pool_blocks // 7) + 2  # 200-token prompts of 7 blocks each, past the pool
+    for q in make_prompts(n, VOCAB, [200], seed=21):
+        p.gen(q, 1)
+    second = _pd(p, d2, prompt, ref, params=params)
+    return {"first": first, "second": second, "log": _log_lines(d2, "KV load ended")}
+
+
 def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(4, VOCAB, [40, 70, 129, 17], seed=1)
     neg = make_prompts(1, VOCAB, [70], seed=7)[0]
     par = make_prompts(1, VOCAB, [100], seed=5)[0]
-    p, d = _start("prefill", a, "kvxfer", "0"), _start("decode", a, "kvxfer", "1")
+    two = make_prompts(1, VOCAB, [90], seed=13)[0]
+    pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
+    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool)
+    d = _start("decode", a, "kvxfer", "1")
+    d2 = _start("decode2", a, "kvxfer", "1", failure_policy="recompute")
     try:
-        init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready()}
-        refs = _refs(p, [*prompts, neg, par])
+        init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
+                "decode2_s": d2.wait_ready()}  # fmt: skip
+        refs = _refs(p, [*prompts, neg, par, two])
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
-            "init": init, "records": records, "negative": _negative(p, d, neg, refs[-2]),
-            "parallel": _parallel(p, d, par, refs[-1]),
+            "init": init, "records": records, "negative": _negative(p, d, neg, refs[-3]),
+            "parallel": _parallel(p, d, par, refs[-2]),
             "log": _log_lines(d, "already took it", "made for another prompt"),
+            "two_engines": _two_engines(p, d, d2, two, refs[-1], pool),
         }  # fmt: skip
     finally:
         p.stop()
         d.stop()
+        d2.stop()
 
 
 def _evidence(*insts: Instance, n: int = 4) -> list[str]:

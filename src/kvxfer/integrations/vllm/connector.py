@@ -34,7 +34,13 @@ from kvxfer.integrations.vllm.scheduler import (
     ProducerRank,
     SchedulerSide,
 )
-from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, idle_wait, peer_list
+from kvxfer.integrations.vllm.worker import (
+    WorkerSettings,
+    WorkerSide,
+    hold_slots,
+    idle_wait,
+    peer_list,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +66,7 @@ class KvxferHandshake(KVConnectorHandshakeMetadata):
     tp_rank: int
     address: str
     generation: int
+    hold_slots: int = 0
 
 
 def _extra(vllm_config: Any, key: str, default: Any) -> Any:
@@ -100,7 +107,9 @@ class KvxferConnector(KVConnectorBase_V1):
     ``model_name`` (in the compatibility hash; default the model's ``model_type``),
     ``prefill_peers`` (decode side: producer addresses contacted at start, so the first
     request to them skips first contact; default none), ``preconnect_s`` (how long an
-    unreachable one is retried, default 600).
+    unreachable one is retried, default 600), ``hold_slots`` (prefill side: requests
+    held for decodes at once, default 65,536; past it the prefill offers no KV and the
+    decode computes the prompt).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -157,7 +166,7 @@ class KvxferConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return
         ranks = [
-            ProducerRank(m.tp_rank, m.address, m.generation)
+            ProducerRank(m.tp_rank, m.address, m.generation, m.hold_slots)
             for m in metadata.values()
             if isinstance(m, KvxferHandshake)
         ]
@@ -190,6 +199,7 @@ class KvxferConnector(KVConnectorBase_V1):
             prefill_peers=peer_list(_extra(cfg, "prefill_peers", [])),
             preconnect_s=float(_extra(cfg, "preconnect_s", 600.0)),
             idle_wait_s=idle_wait(_extra(cfg, "idle_wait_s", 0.002)),
+            hold_slots=hold_slots(_extra(cfg, "hold_slots", 1 << 16)),
         )
         self._worker = WorkerSide(settings)
         self._worker.register([kv_caches[n] for n in names])
@@ -197,7 +207,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or (hs := self._worker.handshake()) is None:
             return None
-        return KvxferHandshake(self._worker.settings.tp_rank, hs[0], hs[1])
+        return KvxferHandshake(self._worker.settings.tp_rank, *hs)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Holds and loads start here, before the step's forward pass, not in

@@ -20,7 +20,7 @@ from kvxfer.errors import ProtocolError
 
 __all__ = ["PARAMS_VERSION", "RemotePrefill", "compose_params", "parse_params", "prompt_hash"]
 
-PARAMS_VERSION = 2  # 2: prompt_hash (params name the prompt they were made for)
+PARAMS_VERSION = 3  # 2: prompt_hash (params name their prompt); 3: hold_ticket
 PROMPT_HASH_HEX = 32
 MAX_BLOCK_IDS = 1 << 20  # blocks of one request
 MAX_RANKS = 4096
@@ -45,6 +45,9 @@ class RemotePrefill:
             not stated.
         prompt_hash: :func:`prompt_hash` of the prefill's prompt: a decode request
             with another prompt does not take this KV.
+        hold_ticket: the producers' hold ticket for the blocks
+            (:mod:`kvxfer.engine.holds`): the decode's READ is DONE only if the hold was
+            alive after the bytes were copied.
     """
 
     engine_id: str
@@ -57,6 +60,7 @@ class RemotePrefill:
     num_tokens: int
     lease_expires_at_ms: int | None = None
     prompt_hash: str = ""
+    hold_ticket: int = 0
 
     @property
     def generation_map(self) -> dict[int, int]:
@@ -81,6 +85,7 @@ def compose_params(remote: RemotePrefill) -> dict[str, Any]:
             "num_tokens": remote.num_tokens,
             "lease_expires_at_ms": remote.lease_expires_at_ms,
             "prompt_hash": remote.prompt_hash,
+            "hold_ticket": remote.hold_ticket,
         },
     }
 
@@ -171,6 +176,9 @@ def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
         raise ProtocolError(
             f"kv_transfer_params: kvxfer.prompt_hash must be {PROMPT_HASH_HEX} lowercase hex digits"
         )
+    ticket = _field(x, "hold_ticket", int, "kvxfer.")
+    if not 0 < ticket < 1 << 53:
+        raise ProtocolError(f"kv_transfer_params: kvxfer.hold_ticket {ticket} not in [1, 2**53)")
     return RemotePrefill(
         engine_id=_field(params, "remote_engine_id", str, ""),
         request_id=_field(x, "request_id", str, "kvxfer."),
@@ -182,4 +190,5 @@ def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
         num_tokens=num_tokens,
         lease_expires_at_ms=lease_ms,
         prompt_hash=digest,
+        hold_ticket=ticket,
     )

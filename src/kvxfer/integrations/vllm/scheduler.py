@@ -21,6 +21,13 @@ params were made for (one prefill's params sent with a list of prompts) computes
 locally too. On the prefill side a request id that is still held (a client reusing
 ids) is not offered again until vLLM reports the first one freed.
 
+Single use within one decode engine is enforced here; across decode engines (the same
+params sent to two of them) by the hold ticket each offer carries (handed out here, so
+the params can name it before the workers' hold starts): a decode's READ is DONE only
+if the prefill's hold was still alive after the bytes were copied
+(:mod:`kvxfer.engine.holds`); a second reader after the first one's ReadDone fails its
+load, and vLLM's ``kv_load_failure_policy`` recomputes the prompt (or fails it).
+
 One instance is used by vLLM's scheduler thread only (no locking).
 """
 
@@ -32,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer.engine.holds import TicketBook
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.params import (
     RemotePrefill,
@@ -52,6 +60,7 @@ class ProducerRank:
     tp_rank: int
     address: str
     generation: int
+    hold_slots: int = 0  # its hold table's size (kvxfer.engine.holds); 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +75,12 @@ class LoadJob:
 
 @dataclass(frozen=True, slots=True)
 class HoldJob:
-    """Prefill side: hold ``block_ids`` of ``request_id`` until read or the lease ends."""
+    """Prefill side: hold ``block_ids`` of ``request_id`` until read or the lease ends,
+    under ``ticket`` (the params carry it)."""
 
     request_id: str
     block_ids: tuple[int, ...]
+    ticket: int = 0
 
 
 @dataclass(slots=True)
@@ -133,12 +144,16 @@ class SchedulerSide:
         self._loaded: set[str] = set()  # a load was started: never offered twice
         self._claims: dict[_ClaimKey, _Claim] = {}  # decode: who reads each prefill's KV
         self._claimed: dict[str, _ClaimKey] = {}  # decode: local request -> its claim
-        self._held: set[str] = set()  # prefill: offered, not yet reported freed by vLLM
+        self._held: dict[str, int] = {}  # prefill: offered, not yet freed by vLLM -> ticket
+        self._tickets: TicketBook | None = None  # prefill: hold tickets (set_producers)
         self._step = StepJobs()
 
     def set_producers(self, ranks: Sequence[ProducerRank]) -> None:
-        """Record the producer addresses and generations the workers published."""
+        """Record the producer addresses, generations and hold tables the workers
+        published; tickets are handed out from the smallest table."""
         self.producers = {r.tp_rank: r for r in ranks}
+        slots = min((r.hold_slots for r in ranks), default=0)
+        self._tickets = TicketBook(slots) if slots > 0 else None
 
     def matched_tokens(
         self,
@@ -262,6 +277,15 @@ class SchedulerSide:
             log.warning("request %s: a request with this id still holds blocks for a decode "
                         "(a reused request id); not offering its KV", request_id)  # fmt: skip
             return False, None
+        if self._tickets is None:
+            log.warning("request %s: the producer ranks publish no hold table; not offering "
+                        "its KV", request_id)  # fmt: skip
+            return False, None
+        try:
+            ticket = self._tickets.take()
+        except KvxferError as e:  # every slot is held: the decode computes the prompt
+            log.warning("request %s: not offering its KV: %s", request_id, e)
+            return False, None
         ranks = [self.producers[r] for r in range(self.tp_size)]
         remote = RemotePrefill(
             engine_id=self.engine_id,
@@ -275,11 +299,15 @@ class SchedulerSide:
             # the workers' hold starts later than now, so its lease ends later than this
             lease_expires_at_ms=time.time_ns() // 1_000_000 + int(self.lease_s * 1000),
             prompt_hash=prompt_hash(prompt),
+            hold_ticket=ticket,
         )
-        self._held.add(request_id)
-        self._step.holds.append(HoldJob(request_id, remote.block_ids))
+        self._held[request_id] = ticket
+        self._step.holds.append(HoldJob(request_id, remote.block_ids, ticket))
         return True, compose_params(remote)
 
     def freed(self, request_ids: Iterable[str]) -> None:
         """vLLM reports these held requests' blocks freed (every worker released them)."""
-        self._held.difference_update(request_ids)
+        for rid in request_ids:
+            ticket = self._held.pop(rid, None)
+            if ticket is not None and self._tickets is not None:
+                self._tickets.free(ticket)

@@ -26,8 +26,9 @@ from kvxfer.engine.config import check_seconds
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
+from kvxfer.wire.limits import MAX_HOLD_SLOTS
 
-__all__ = ["WorkerSettings", "WorkerSide", "idle_wait", "peer_list"]
+__all__ = ["WorkerSettings", "WorkerSide", "hold_slots", "idle_wait", "peer_list"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,21 @@ def idle_wait(value: Any) -> float:
     if seconds > 1.0:
         raise ConfigError(f"{key} must be at most 1 second, got {value!r}")
     return seconds
+
+
+def hold_slots(value: Any) -> int:
+    """The ``hold_slots`` extra-config value: requests a prefill rank holds at once (its
+    hold table, 8 bytes a slot). A numeric string is taken.
+
+    Raises:
+        ConfigError: naming the key, for anything but an integer in [1, 2**24].
+    """
+    key = "kv_connector_extra_config.hold_slots"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_HOLD_SLOTS:
+        raise ConfigError(f"{key} must be an integer in [1, {MAX_HOLD_SLOTS}], got {value!r}")
+    return value
 
 
 @contextmanager
@@ -118,6 +134,7 @@ class WorkerSettings:
     prefill_peers: tuple[str, ...] = ()  # producer addresses to contact at start
     preconnect_s: float = 600.0  # how long to keep trying an unreachable one
     idle_wait_s: float = 0.002  # a step that ran no tokens waits this long for a transfer
+    hold_slots: int = 1 << 16  # the producer's hold table (kvxfer.engine.holds)
 
 
 @dataclass(slots=True)
@@ -151,7 +168,7 @@ class WorkerSide:
             return EngineConfig(
                 f"{s.engine_id}-{role}", side_channel_addr=addr, model_name=s.model_name,
                 dtype=s.dtype, kv_dtype=s.dtype, deadline_s=s.deadline_s, lease_s=s.lease_s,
-                heartbeat_s=s.heartbeat_s,
+                heartbeat_s=s.heartbeat_s, hold_slots=s.hold_slots,
             )  # fmt: skip
 
         with threads_on_every_cpu():
@@ -165,11 +182,12 @@ class WorkerSide:
                  s.tp_rank, spec.kind.value, spec.num_layers, spec.num_blocks,
                  self.producer.address if self.producer else "-")  # fmt: skip
 
-    def handshake(self) -> tuple[str, int] | None:
-        """``(address, generation)`` of this rank's producer, for the scheduler side."""
+    def handshake(self) -> tuple[str, int, int] | None:
+        """``(address, generation, hold slots)`` of this rank's producer, for the
+        scheduler side (which hands out the hold tickets)."""
         if self.producer is None:
             return None
-        return self.producer.address, self.producer.generation
+        return self.producer.address, self.producer.generation, self.producer.config.hold_slots
 
     def start(self, loads: Iterable[LoadJob], holds: Iterable[HoldJob]) -> None:
         """Start this step's loads (non-blocking READs) and holds.
@@ -184,7 +202,7 @@ class WorkerSide:
             if self.producer is None:
                 continue
             try:
-                self.producer.hold(h.request_id, block_ids=h.block_ids)
+                self.producer.hold(h.request_id, block_ids=h.block_ids, ticket=h.ticket or None)
             except Exception as e:  # one bad job must not stop the step
                 if self.producer.held_block_ids(h.request_id) is not None:
                     # its id is held already (the scheduler side never offers that):
@@ -216,6 +234,7 @@ class WorkerSide:
                     if job.remote.lease_expires_at_ms is None
                     else job.remote.lease_expires_at_ms * 1_000_000
                 ),
+                hold_ticket=job.remote.hold_ticket or None,
             )  # fmt: skip
         except Exception as e:  # reported as this load's failure
             self._loads[job.request_id] = _Load(job, None, f"{type(e).__name__}: {e}")
@@ -267,7 +286,8 @@ class WorkerSide:
             del self._loads[rid]
             recving.add(rid)
             if state is not RequestState.DONE:
-                err = load.error or (load.transfer.error if load.transfer else None)
+                e = load.transfer.error if load.transfer is not None else None
+                err = load.error or (f"{type(e).__name__}: {e}" if e is not None else "")
                 log.warning("request %s: KV load ended %s (%s); %d blocks go to kv_load_failure_policy",
                             rid, state.value, err, len(load.job.local_block_ids))  # fmt: skip
                 self._load_errors.update(load.job.local_block_ids)
