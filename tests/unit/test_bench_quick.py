@@ -84,6 +84,20 @@ def test_bandwidth_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+def test_hold_check_quick(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    doc = _run(tmp_path, "hold-check", "--repeat", "5", "--blocks", "1", "4")
+    assert doc["benchmark"] == "hold_check"
+    assert [r["blocks"] for r in doc["results"]] == [1, 4]
+    for r in doc["results"]:
+        assert r["verified"] is True
+        assert len(r["samples"]["with"]) == len(r["samples"]["without"]) == 5
+        med = r["median_s"]
+        assert r["extra_median_s"] == pytest.approx(med["with"] - med["without"])
+        assert r["descriptors"] == r["blocks"] * doc["config"]["num_views"]
+
+
+@pytest.mark.e2e
 def test_all_quick_writes_every_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("matplotlib")
     import kvxfer.bench.all as all_mod
@@ -105,7 +119,7 @@ def test_all_quick_writes_every_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert json.loads((tmp_path / "docs" / "bench" / f"{name}.json").read_text())
     text = md.read_text()
     assert "Machine:" in text and "nixl-cu12" in text and "(bench/per_request.png)" in text
-    assert text.count("\n## ") == 4
+    assert text.count("\n## ") == 5 and "## Hold check" in text
 
 
 def test_coalesced_chunks_cover_runs() -> None:

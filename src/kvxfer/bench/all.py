@@ -1,6 +1,6 @@
 """``kvxfer bench all``: every benchmark, their JSON and PNG, and ``docs/benchmarks.md``.
 
-Runs ``descriptors``, ``first-contact``, ``per-request`` and ``bandwidth`` in turn (each
+Runs ``descriptors``, ``first-contact``, ``per-request``, ``bandwidth`` and ``hold-check`` in turn (each
 prints its table), writes ``<out>/<name>.json`` and ``<out>/<name>.png``, then renders one
 markdown page from the JSON documents: machine, tables, targets, chart links.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["BENCHES", "machine_description", "render_markdown", "run", "run_all"]
 
-BENCHES = ("descriptors", "first_contact", "per_request", "bandwidth")
+BENCHES = ("descriptors", "first_contact", "per_request", "bandwidth", "hold_check")
 
 
 def _version(dist: str) -> str:
@@ -62,6 +62,8 @@ def _args(name: str, quick: bool, seed: int, out: Path) -> argparse.Namespace:
         return argparse.Namespace(**common, blocks=None, repeat=None)
     if name == "per_request":
         return argparse.Namespace(**common, tokens=None, repeat=2 if quick else 5)
+    if name == "hold_check":
+        return argparse.Namespace(**common, blocks=None, repeat=None)
     return argparse.Namespace(**common, repeat=None)
 
 
@@ -228,11 +230,32 @@ def _section_bandwidth(doc: dict[str, Any]) -> list[str]:
     ]
 
 
+def _section_hold_check(doc: dict[str, Any]) -> list[str]:
+    from kvxfer.bench.hold_check import COLUMNS, table_rows
+    from kvxfer.bench.report import fmt_ratio, fmt_seconds, markdown_table
+
+    res = doc["results"]
+    worst = max(res, key=lambda r: r["ratio_median"])
+    return [
+        "A pull request from `read()` to DONE without and with the hold check (the extra",
+        "8-byte READ of the producer rank's slot word after the data READ, then ReadDone;",
+        "docs/architecture.md, hold tickets): a producer in a spawned process, real NIXL,",
+        f"{doc['config']['repeat']} requests each way, alternating, every byte verified.",
+        "",
+        markdown_table(COLUMNS, table_rows(doc)),
+        "",
+        f"- the check adds {fmt_seconds(min(r['extra_median_s'] for r in res))} to "
+        f"{fmt_seconds(max(r['extra_median_s'] for r in res))} at the median; worst ratio "
+        f"{fmt_ratio(worst['ratio_median'])} ({worst['blocks']}-block requests)",
+    ]
+
+
 _SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "descriptors": ("Descriptor list build (`kvxfer bench descriptors`)", _section_descriptors),
     "first_contact": ("First contact (`kvxfer bench first-contact`)", _section_first_contact),
     "per_request": ("Per-request CPU (`kvxfer bench per-request`)", _section_per_request),
     "bandwidth": ("Bandwidth (`kvxfer bench bandwidth`)", _section_bandwidth),
+    "hold_check": ("Hold check (`kvxfer bench hold-check`)", _section_hold_check),
 }
 
 

@@ -117,6 +117,18 @@ def add_bench_bandwidth_parser(subparsers: Subparsers) -> None:
     p.set_defaults(handler=_bench_handler("bandwidth"))
 
 
+def add_bench_hold_check_parser(subparsers: Subparsers) -> None:
+    """``kvxfer bench hold-check``: a pull request's latency without / with the hold check."""
+    p = subparsers.add_parser(
+        "hold-check",
+        help="pull request latency without / with the hold check (real NIXL, producer process)",
+    )
+    _add_bench_common(p, "1 and 16 blocks, 20 requests each way")
+    p.add_argument("--blocks", metavar="N", type=int, nargs="+", help="blocks per request")
+    p.add_argument("--repeat", type=int, default=None, help="requests each way (default 200)")
+    p.set_defaults(handler=_bench_handler("hold_check"))
+
+
 def add_bench_all_parser(subparsers: Subparsers) -> None:
     """``kvxfer bench all``: every benchmark, JSON + PNG per benchmark, docs/benchmarks.md."""
     p = subparsers.add_parser("all", help="run every benchmark; write JSON, PNG and markdown")
@@ -136,6 +148,7 @@ def add_bench_parser(subparsers: Subparsers) -> None:
     add_bench_first_contact_parser(bench)
     add_bench_per_request_parser(bench)
     add_bench_bandwidth_parser(bench)
+    add_bench_hold_check_parser(bench)
     add_bench_all_parser(bench)
     __import__("kvxfer.bench.vllm", fromlist=["add_parser"]).add_parser(bench)  # bench vllm
     p.set_defaults(usage_parser=p)  # `kvxfer bench` alone prints this parser's help
