@@ -15,7 +15,15 @@ from kvxfer.layout.spec import LayoutSpec
 from kvxfer.wire import compat_hash, model_facts
 from kvxfer.wire.limits import MAX_HOLD_SLOTS
 
-__all__ = ["U8", "Buffer", "EngineConfig", "RequestState", "allocate_cache", "check_seconds"]
+__all__ = [
+    "U8",
+    "Buffer",
+    "EngineConfig",
+    "RequestState",
+    "allocate_cache",
+    "check_hold_slots",
+    "check_seconds",
+]
 
 U8 = npt.NDArray[np.uint8]
 # one region's memory: a host uint8 array, or memory by address (e.g. GPU, DeviceBuffer)
@@ -33,6 +41,14 @@ def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> floa
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{name} must be finite and {bound} seconds, got {value!r}")
     return v
+
+
+def check_hold_slots(name: str, value: object) -> int:
+    """Return ``value`` as a hold-table size; ConfigError naming ``name`` unless it is an
+    integer in ``[1, MAX_HOLD_SLOTS]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_HOLD_SLOTS:
+        raise ConfigError(f"{name} must be an integer in [1, {MAX_HOLD_SLOTS}], got {value!r}")
+    return value
 
 
 class RequestState(str, Enum):
@@ -119,14 +135,7 @@ class EngineConfig:
         for name in ("deadline_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):
             check_seconds(name, getattr(self, name))
         check_seconds("lease_margin_s", self.lease_margin_s, allow_zero=True)
-        if (
-            isinstance(self.hold_slots, bool)
-            or not isinstance(self.hold_slots, int)
-            or not 1 <= self.hold_slots <= MAX_HOLD_SLOTS
-        ):
-            raise ConfigError(
-                f"hold_slots must be an integer in [1, {MAX_HOLD_SLOTS}], got {self.hold_slots!r}"
-            )
+        check_hold_slots("hold_slots", self.hold_slots)
 
     @property
     def run_blocks(self) -> int:

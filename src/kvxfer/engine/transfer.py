@@ -264,14 +264,14 @@ class Transfer(RequestEnd):
 
     def _judge_checks(self) -> None:
         """Every slot word has landed: DONE only if each says the hold is alive."""
-        ctx, peer, ticket = self.context, self.peer, self.hold_ticket
+        ctx, ticket = self.context, self.hold_ticket
         words = [(r, int(ctx.ranks[d].words[i])) for d, r, i in self.checks]
         self.checks = []
-        verdicts = [verdict(w, ticket) for _, w in words]
+        verdicts = {verdict(w, ticket): (r, w) for r, w in words}
         if HoldVerdict.RELEASED in verdicts:
-            r, w = next((r, w) for r, w in words if verdict(w, ticket) is HoldVerdict.RELEASED)
+            r, w = verdicts[HoldVerdict.RELEASED]
             raise HoldEndedError(
-                f"request {self.request_id!r}: {peer.address} rank {r} had ended hold "
+                f"request {self.request_id!r}: {self.peer.address} rank {r} had ended hold "
                 f"{ticket} (slot word {w:#x}) when its READ was checked: another reader read "
                 "these params first, an abort or the lease freed the blocks, which may have "
                 "been reused under the READ; its bytes are not reported"
@@ -279,9 +279,16 @@ class Transfer(RequestEnd):
         if HoldVerdict.NOT_YET in verdicts:  # the producer has not started the hold yet
             self.check_after = time.monotonic() + CHECK_AGAIN_S
             return
-        for d, r in self.read_pairs:  # only now may the producer free the blocks
+        self._send_read_done(self.read_pairs)  # only now may the producer free the blocks
+
+    def _send_read_done(self, pairs: list[tuple[int, int]]) -> None:
+        """Tell each producer rank in ``pairs`` (local, remote rank) that it was read."""
+        ctx, peer = self.context, self.peer
+        for d, r in pairs:
             size = ctx.ranks[d].spec.tp_size
-            done = ReadDone(self.request_id, peer.generations[r], d, size, self.attempt, ticket)
+            done = ReadDone(
+                self.request_id, peer.generations[r], d, size, self.attempt, self.hold_ticket
+            )
             ctx.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
 
     def _where(self) -> str:
@@ -392,13 +399,7 @@ class Transfer(RequestEnd):
 
     def _finish(self) -> None:
         ctx = self.context
-        peer = self.peer
-        for d, r in self.notify:  # tell ranks that were not read (MLA, GQA dedup, empty) to free
-            size = ctx.ranks[d].spec.tp_size
-            done = ReadDone(
-                self.request_id, peer.generations[r], d, size, self.attempt, self.hold_ticket
-            )
-            ctx.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
+        self._send_read_done(self.notify)  # ranks not read (MLA, GQA dedup, empty) may free
         for d in self.ranks:
             plan = self.peer.plans[d]
             if plan.kernel_bsr > 1:

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, Transfer
-from kvxfer.engine.config import check_seconds
+from kvxfer.engine.config import check_hold_slots, check_seconds
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
-from kvxfer.wire.limits import MAX_HOLD_SLOTS
 
 __all__ = ["WorkerSettings", "WorkerSide", "hold_slots", "idle_wait", "peer_list"]
 
@@ -81,12 +80,9 @@ def hold_slots(value: Any) -> int:
     Raises:
         ConfigError: naming the key, for anything but an integer in [1, 2**24].
     """
-    key = "kv_connector_extra_config.hold_slots"
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_HOLD_SLOTS:
-        raise ConfigError(f"{key} must be an integer in [1, {MAX_HOLD_SLOTS}], got {value!r}")
-    return value
+    return check_hold_slots("kv_connector_extra_config.hold_slots", value)
 
 
 @contextmanager
