@@ -166,3 +166,24 @@ def test_a_stale_readers_abort_does_not_free_a_newer_hold_of_the_same_id() -> No
         assert t.wait(10) is RequestState.DONE, t.error
         assert mismatches(spec, local, spec, BLOCKS, BLOCKS) == 0
         _wait_freed(prod, "r")
+
+
+def test_a_stale_readers_renew_does_not_extend_a_newer_hold_of_the_same_id() -> None:
+    """The reader of an ended hold renews the lease when it posts its READ (over its own
+    deadline); the renew names that hold's ticket, so the newer hold of the same id keeps
+    its own lease and is freed when it ends (before, the renew named the id alone and
+    stretched the newer hold to the stale reader's deadline)."""
+    with local_pair(num_blocks=16) as (_spec, _local, prod, cons):
+        old = prod.hold("r", block_ids=BLOCKS)
+        assert prod.release("r")
+        prod.hold("r", block_ids=BLOCKS, lease_s=0.5)
+        rejected = prod.num_rejected
+        stale = cons.read("r", prod.address, local_block_ids=BLOCKS, remote_block_ids=BLOCKS,
+                          hold_ticket=old.ticket, deadline_s=30.0)  # fmt: skip
+        assert stale.wait(10) is RequestState.FAILED, (stale.state, stale.error)
+        end, freed = time.monotonic() + 5.0, []
+        while not freed and time.monotonic() < end:
+            prod.wait_freed(0.05)
+            freed = prod.pop_freed()
+        assert [(rid, reason.value) for rid, reason in freed] == [("r", "expired")]
+        assert prod.num_rejected >= rejected + 2  # its renew and its Abort were dropped

@@ -89,6 +89,7 @@ VALID_MSGS = [
     Abort("req-3", 7, "deadline"),
     Failed("req-4", 7, "nixl: remote disconnect"),
     LeaseRenew(("a", "b", "c"), 7),
+    LeaseRenew(("a",), 7, (2,), 1500, (9,)),
     Heartbeat(7),
 ]
 VALID_SIDE = [

@@ -329,7 +329,11 @@ class Producer:
                 pushes.append((rank, agent, msg, now + msg.budget_ms / 1e3 - queued_s))
             elif isinstance(msg, LeaseRenew):
                 lease = max(self.config.lease_s, msg.budget_ms / 1e3)  # covers the deadline
-                for rid in msg.request_ids:
+                for i, rid in enumerate(msg.request_ids):
+                    ticket = msg.tickets[i] if i < len(msg.tickets) else 0
+                    if ticket and self._tickets.get(rid) != ticket:
+                        self.num_rejected += 1  # a renew of an ended hold of this id
+                        continue
                     table.renew(rid, now, lease)
             elif not isinstance(msg, Heartbeat):
                 self.num_rejected += 1

@@ -320,9 +320,12 @@ class Transfer(RequestEnd):
             return
         self.renewed_at = now
         budget_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
+        tickets = (self.hold_ticket,) if self.hold_ticket else ()
         for rank, agent in self.peer.agents.items():
             gen = self.peer.generations[rank]
-            msg = encode_msg(LeaseRenew((self.request_id,), gen, (self.attempt,), budget_ms))
+            msg = encode_msg(
+                LeaseRenew((self.request_id,), gen, (self.attempt,), budget_ms, tickets)
+            )
             for d in self.ranks:
                 ctx.ranks[d].backend.send_notif(agent, msg)
 

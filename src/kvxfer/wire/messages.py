@@ -86,6 +86,9 @@ class LeaseRenew(_Msg, frozen=True, tag="lr"):
     generation: U64
     attempts: Annotated[tuple[U64, ...], Meta(max_length=MAX_LEASE_IDS)] = ()  # per request id
     budget_ms: U64 = 0  # > 0: extend to cover this much more (the request's deadline)
+    # per request id: the hold it renews (0: none named); a renew naming another hold of
+    # the id (one that ended; the id was held again since) extends nothing
+    tickets: Annotated[tuple[U64, ...], Meta(max_length=MAX_LEASE_IDS)] = ()
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
