@@ -158,7 +158,12 @@ def test_chaos_soak(keyed: bool, closing) -> None:  # type: ignore[no-untyped-de
                                   deadline_s=DEADLINE_S, generation=procs[i].generation,
                                   lease_expires_at_ns=exp,
                                   hold_ticket=procs[i].tickets[rid])  # fmt: skip
-                else:
+                elif rng.random() < 0.5:  # push from a hold, with its ticket
+                    procs[i].hold([(rid, 2)])
+                    t = cons.push(rid, addrs[i], local_block_ids=lids, remote_block_ids=rids,
+                                  deadline_s=DEADLINE_S,
+                                  hold_ticket=procs[i].tickets[rid])  # fmt: skip
+                else:  # push without a hold
                     t = cons.push(rid, addrs[i], local_block_ids=lids, remote_block_ids=rids,
                                   deadline_s=DEADLINE_S)  # fmt: skip
                 live.append((t, i, slot, rids))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from kvxfer.engine import Consumer, EngineConfig, RequestState, allocate_cache
@@ -187,3 +188,93 @@ def test_a_stale_readers_renew_does_not_extend_a_newer_hold_of_the_same_id() -> 
             freed = prod.pop_freed()
         assert [(rid, reason.value) for rid, reason in freed] == [("r", "expired")]
         assert prod.num_rejected >= rejected + 2  # its renew and its Abort were dropped
+
+
+# -- push: the producer WRITEs into the consumer's blocks --------------------------------
+
+
+def test_without_a_ticket_a_second_push_of_ended_params_is_done_with_reused_bytes() -> None:
+    """The hazard in push mode: the producer counts a WRITE as the read and frees the
+    hold; a second push of the same params (another engine, a retry) is written from
+    the reused blocks and reported DONE. The tickets below close it."""
+    with local_pair(num_blocks=16) as (spec, local, prod, cons):
+        prod.hold("r", block_ids=BLOCKS)
+        t = cons.push("r", prod.address, local_block_ids=BLOCKS, remote_block_ids=BLOCKS)
+        assert t.wait(10) is RequestState.DONE, t.error
+        _wait_freed(prod, "r")
+        _reuse(prod.ranks[0].bufs)
+        local[0][:] = 0
+        t2 = cons.push("r", prod.address, local_block_ids=BLOCKS, remote_block_ids=BLOCKS)
+        assert t2.wait(10) is RequestState.DONE, t2.error
+        assert mismatches(spec, local, spec, BLOCKS, BLOCKS) > 0
+
+
+def test_second_push_of_the_same_params_is_never_done() -> None:
+    with local_pair(num_blocks=16) as (spec, local, prod, cons):
+        other = allocate_cache(spec)
+        d2 = EngineConfig("d2", model_name="tiny-gqa")
+        with Consumer(d2, [(spec, other)]) as cons2:
+            lease = prod.hold("r", block_ids=BLOCKS)
+            t = cons.push("r", prod.address, local_block_ids=BLOCKS, remote_block_ids=BLOCKS,
+                          hold_ticket=lease.ticket)  # fmt: skip
+            assert t.wait(10) is RequestState.DONE, t.error
+            assert mismatches(spec, local, spec, BLOCKS, BLOCKS) == 0
+            _wait_freed(prod, "r")  # by the consumer's ReadDone, after its check
+            _reuse(prod.ranks[0].bufs)
+            t2 = cons2.push("r", prod.address, local_block_ids=BLOCKS, remote_block_ids=BLOCKS,
+                            hold_ticket=lease.ticket)  # fmt: skip
+            assert t2.wait(10) is RequestState.FAILED, (t2.state, t2.error)
+            assert f"hold {lease.ticket}" in str(t2.error), t2.error
+            assert not t2.quarantined  # the producer wrote nothing, and said so
+
+
+def test_a_ticketed_push_frees_the_hold_only_after_its_check() -> None:
+    """With a ticket the WRITE's completion does not free the hold (a check that came
+    after the free would fail every push): the consumer's ReadDone does, after it
+    checked the slot word; 6 pushes, every byte right, every hold freed as read."""
+    with local_pair(num_blocks=32) as (spec, local, prod, cons):
+        ts, leases = [], []
+        for i in range(6):
+            blocks = [4 * i, 4 * i + 1, 4 * i + 2]
+            lease = prod.hold(f"r{i}", block_ids=blocks)
+            leases.append(lease)
+            ts.append((blocks, cons.push(f"r{i}", prod.address, local_block_ids=blocks,
+                                         remote_block_ids=blocks, hold_ticket=lease.ticket)))  # fmt: skip
+        for blocks, t in ts:
+            assert t.wait(10) is RequestState.DONE, t.error
+            assert t.num_checks == 1
+            assert mismatches(spec, local, spec, blocks, blocks) == 0
+        freed: dict[str, object] = {}
+        end = time.monotonic() + 5
+        while len(freed) < 6 and time.monotonic() < end:
+            freed.update(prod.pop_freed())
+            prod.wait_freed(0.05)
+        assert {k: str(getattr(v, "value", v)) for k, v in freed.items()} == {
+            f"r{i}": "read" for i in range(6)
+        }
+
+
+def test_a_push_before_its_hold_starts_is_checked_until_the_hold_starts() -> None:
+    with local_pair(num_blocks=16) as (spec, local, prod, cons):
+        t = cons.push("r", prod.address, local_block_ids=BLOCKS, remote_block_ids=BLOCKS,
+                      hold_ticket=11)  # fmt: skip
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            assert t.poll() is RequestState.PENDING
+            time.sleep(0.002)
+        assert t.num_checks >= 2, t.num_checks  # written, checked, not held yet: again
+        assert prod.hold("r", block_ids=BLOCKS, ticket=11).ticket == 11
+        assert t.wait(10) is RequestState.DONE, t.error
+        assert mismatches(spec, local, spec, BLOCKS, BLOCKS) == 0
+        _wait_freed(prod, "r")
+
+
+def test_a_push_of_an_expired_hold_is_refused_by_the_producer() -> None:
+    with local_pair(num_blocks=16) as (spec, local, prod, cons):
+        lease = prod.hold("r", block_ids=BLOCKS, lease_s=0.05)
+        _wait_freed(prod, "r")
+        t = cons.push("r", prod.address, local_block_ids=BLOCKS, remote_block_ids=BLOCKS,
+                      hold_ticket=lease.ticket)  # fmt: skip
+        assert t.wait(10) is RequestState.FAILED, (t.state, t.error)
+        assert "HoldEndedError" in str(t.error) and f"hold {lease.ticket}" in str(t.error)
+        assert int(local[0].view(np.uint8).max()) == 0  # nothing was written

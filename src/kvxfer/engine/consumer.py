@@ -199,15 +199,25 @@ class Consumer(FirstContact):
         ranks: Sequence[int] | None = None,
         deadline_s: float | None = None,
         generation: int | Mapping[int, int] | None = None,
+        hold_ticket: int | None = None,
     ) -> Transfer:
         """Ask the producer at ``address`` to WRITE a request into these local blocks (push).
 
         Same arguments and handle as :meth:`read`; the request is DONE when every
         source rank's ``WriteDone`` notification arrived (WRITE data is complete then).
+        ``hold_ticket``: the producer writes only from a hold it has not ended (else the
+        request ends FAILED naming the hold), and the request is DONE only if the hold
+        was still alive after the WRITEs completed (the consumer READs its slot word,
+        as :meth:`read` does); the producer frees the hold at the consumer's
+        ``ReadDone``, not when it wrote. Without it, a second push of the same params
+        is written from blocks the producer may have reused.
         """
+        if hold_ticket is not None:
+            check_ticket(hold_ticket)
         return self._request(
             XferOp.WRITE, request_id, address, local_block_ids, remote_block_ids,
             local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s, generation,
+            hold_ticket=hold_ticket or 0,
         )  # fmt: skip
 
     def _request(

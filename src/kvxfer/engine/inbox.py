@@ -135,6 +135,7 @@ class Inbox:
             if isinstance(msg, Failed):
                 if t.failed_reason is None:
                     t.failed_reason = msg.reason or "failed"
+                t.settled.add((d, rank))  # sent after its WRITE was released: no more lands
                 return
             if msg.producer_rank != rank:
                 self.num_forged += 1

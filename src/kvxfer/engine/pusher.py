@@ -5,7 +5,10 @@ its source ranks. The producer's :class:`PushWorker` fetches the consumer engine
 records on first contact (over the consumer's side channel), pairs the layouts from
 the consumer's point of view, prepares the two lists on the producer rank's agent and
 posts one WRITE per (consumer rank, producer rank) with a ``WriteDone`` notification.
-Failures are told to the consumer with ``Failed``.
+Failures are told to the consumer with ``Failed``. A push naming a hold ticket
+(:mod:`kvxfer.engine.holds`) is refused if this rank has ended that hold, and its
+completed WRITE does not free the hold: the consumer's ``ReadDone``, sent after it
+checked the hold's slot word, does.
 
 Deadlines and cancellation: a job carries its local deadline (see
 :class:`~kvxfer.wire.PushRequest`); the worker never starts a WRITE past it, releases a
@@ -27,9 +30,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import cast
 
+from kvxfer.engine.holds import HoldVerdict, slot_of, verdict
 from kvxfer.engine.push_peer import ConsumerPeer, PushJob, consumer_peer
 from kvxfer.engine.rank import RankCache
-from kvxfer.errors import KvxferError, PeerLostError, TransferError
+from kvxfer.errors import HoldEndedError, KvxferError, PeerLostError, TransferError
 from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import XferOp, XferState
 from kvxfer.transport.side_client import fetch_records
@@ -302,6 +306,8 @@ class PushWorker:
                 f"push {req.request_id!r} for consumer rank {req.consumer_rank} of "
                 f"{req.consumer_address} did not come from that rank's agent"
             )
+        if req.ticket:
+            self._check_hold(rank, req)
         held = self._held_ids(req.request_id)
         if held is not None and not held.issuperset(req.remote_block_ids):
             stray = sorted(set(req.remote_block_ids) - held)[:8]
@@ -335,13 +341,37 @@ class PushWorker:
             return
         if ids.num_descriptors == 0:
             backend.send_notif(job.sender, encode_msg(done))
-            self._on_written(req.request_id, rank, req.consumer_rank, req.consumer_size)
+            self._written(job)
             return
         job.xfer = backend.make_xfer(
             XferOp.WRITE, mine, ids.remote_ids, theirs, ids.local_ids, encode_msg(done)
         )
         self._writes.append(job)
         backend.post(job.xfer)
+
+    def _check_hold(self, rank: int, req: PushRequest) -> None:
+        """A ticketed push writes only from a hold this rank has not ended (one not
+        started yet is written: the consumer checks it after the WRITE)."""
+        words = self._ranks[rank].words
+        if not words.size:
+            raise TransferError(
+                f"push {req.request_id!r} names hold {req.ticket}, but rank {rank} keeps no "
+                "hold table"
+            )
+        word = int(words[slot_of(req.ticket, words.size)])
+        if verdict(word, req.ticket) is HoldVerdict.RELEASED:
+            raise HoldEndedError(
+                f"push {req.request_id!r}: rank {rank} had ended hold {req.ticket} (slot word "
+                f"{word:#x}): another consumer took these params first, an abort or the "
+                "lease freed the blocks; nothing was written"
+            )
+
+    def _written(self, job: PushJob) -> None:
+        """A WRITE of ``job`` completed. Unticketed, it counts as the consumer rank's read;
+        ticketed, the consumer's ReadDone after its hold check frees the hold."""
+        req = job.req
+        if not req.ticket:
+            self._on_written(req.request_id, job.rank, req.consumer_rank, req.consumer_size)
 
     def _poll(self) -> None:
         still = []
@@ -359,8 +389,7 @@ class PushWorker:
                     still.append(job)
                     continue
                 self._release(job)
-                req = job.req
-                self._on_written(req.request_id, job.rank, req.consumer_rank, req.consumer_size)
+                self._written(job)
             except KvxferError as e:
                 self._release(job)
                 self._fail(job, e)

@@ -123,7 +123,7 @@ class Transfer(RequestEnd):
     settled: set[tuple[int, int]] = field(default_factory=set)  # push: Cancelled seen
     failed_reason: str | None = None  # push: the producer's Failed notice
     lease_expires_at_ns: int | None = None  # pull: the producer's lease end (its wall clock)
-    hold_ticket: int = 0  # pull: the hold's ticket, checked after the READ (0: none)
+    hold_ticket: int = 0  # the hold's ticket, checked after the READ / WRITEs (0: none)
     read_pairs: list[tuple[int, int]] = field(default_factory=list)  # (local, remote rank)
     checks: list[tuple[int, int, int]] = field(default_factory=list)  # (local, remote, word)
     check_after: float = 0.0  # monotonic: a hold not started yet is checked again then
@@ -213,12 +213,17 @@ class Transfer(RequestEnd):
                 done, reason, _ = ctx.push_status(self)
                 if reason is not None:
                     raise TransferError(f"producer failed to push {self.request_id!r}: {reason}")
-                if done:
+                if not done:
+                    if self.peer.error is not None:  # the heartbeat saw the producer die
+                        raise self.peer.error
+                    return self.state
+                if not self.hold_ticket:
                     self._finish()
-                elif self.peer.error is not None:  # the heartbeat saw the producer die
-                    raise self.peer.error
-                return self.state
-            self._renew()
+                    return self.state
+                if not self.read_pairs:  # every WRITE landed: check the ranks that wrote
+                    self.read_pairs = sorted(self.expected)
+            else:
+                self._renew()
             self._poll_xfers()
             if not self.xfers and self.hold_ticket:
                 if not self.checks:
@@ -272,9 +277,10 @@ class Transfer(RequestEnd):
             r, w = verdicts[HoldVerdict.RELEASED]
             raise HoldEndedError(
                 f"request {self.request_id!r}: {self.peer.address} rank {r} had ended hold "
-                f"{ticket} (slot word {w:#x}) when its READ was checked: another reader read "
-                "these params first, an abort or the lease freed the blocks, which may have "
-                "been reused under the READ; its bytes are not reported"
+                f"{ticket} (slot word {w:#x}) when its {self.op.value} was checked: another "
+                "reader read these params first, an abort or the lease freed the blocks, "
+                f"which may have been reused under the {self.op.value}; its bytes are not "
+                "reported"
             )
         if HoldVerdict.NOT_YET in verdicts:  # the producer has not started the hold yet
             self.check_after = time.monotonic() + CHECK_AGAIN_S
@@ -333,12 +339,12 @@ class Transfer(RequestEnd):
         ctx = self.context
         peer = self.peer
         self.posted_at = time.perf_counter()
+        if self.hold_ticket:
+            self._check_hold_tables()
         if self.op is XferOp.WRITE:
             self._post_push()
             return
         self._renew(force=True)  # first: the producer's lease now covers the deadline
-        if self.hold_ticket:
-            self._check_hold_tables()
         for d in self.ranks:
             plan = peer.plans[d]
             req = self.ids.plan(plan)
@@ -393,6 +399,7 @@ class Transfer(RequestEnd):
                     budget_ms=max(0, int((self.deadline - time.monotonic()) * 1000)),
                     sent_at_ns=time.time_ns(),
                     consumer_generation=ctx.generation,
+                    ticket=self.hold_ticket,
                 )  # fmt: skip
                 backend.send_notif(peer.agents[ids.rank], encode_msg(msg))
                 self.expected.add((d, ids.rank))

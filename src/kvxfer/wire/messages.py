@@ -71,7 +71,8 @@ class Abort(_Msg, frozen=True, tag="ab"):
 
 
 class Failed(_Msg, frozen=True, tag="fl"):
-    """A transfer of a request failed on the sender's side."""
+    """A transfer of a request failed on the sender's side (push: sent after the rank's
+    WRITE of that attempt was released, so, like ``Cancelled``, nothing more lands)."""
 
     request_id: RequestId
     generation: U64
@@ -134,6 +135,10 @@ class PushRequest(_Msg, frozen=True, tag="pr"):
     budget_ms: U64 = 0
     sent_at_ns: U64 = 0
     consumer_generation: U64 = 0
+    # the hold to write from (0: none named): the producer refuses a hold it has ended,
+    # and does not free it when the WRITE completes (the consumer checks the hold's
+    # slot word, then sends ReadDone naming the ticket)
+    ticket: U64 = 0
 
 
 class Cancelled(_Msg, frozen=True, tag="cx"):
