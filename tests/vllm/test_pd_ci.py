@@ -1,6 +1,7 @@
 """The CI case: P1->D1 in a real vLLM, 4 prompts, token equality, the negative
-control, params made for another prompt, and parallel sampling, in one pair of
-instance lifetimes (~3 min with start-up on 2 cores)."""
+control, params made for another prompt, parallel sampling, the same params on a
+second decode engine, and push mode (a third decode with ``transfer_mode`` "push"), in
+one set of instance lifetimes (~1.5 min with start-up on 2 cores)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,29 @@ def test_params_read_again_on_another_engine_are_refused(ci: dict[str, Any]) -> 
     assert two["second"]["tokens"] == two["second"]["ref"], "decoded from reused blocks"
     (line,) = [ln for ln in two["log"] if "had ended hold" in ln]
     assert "another reader read these params first" in line
+
+
+def test_push_mode_decode_tokens_equal_colocated(ci: dict[str, Any]) -> None:
+    # transfer_mode "push": the prefill WRITEs each prompt's KV into the decode's blocks
+    push = ci["push"]
+    for r in push["records"]:
+        assert r["finish_reason"] == "length", r
+        assert r["tokens"] == r["ref"], f"prompt of {r['prompt_len']} tokens (push): {r}"
+    # the decode never saw these prompts: its full blocks' KV came from the push, as in pull
+    cached = [r["num_cached_tokens"] for r in push["records"]]
+    assert cached == [r["prompt_len"] // 32 * 32 for r in push["records"]] == [32, 64, 128, 0]
+    assert push["log"] == [], push["log"]  # no load failed
+    neg = push["negative"]  # another prompt's KV pushed (its params re-stamped): differs
+    assert neg["finish_reason"] == "length" and len(neg["tokens"]) == 8
+    assert neg["tokens"] != neg["ref"], "decoding A with B's pushed KV gave A's tokens"
+
+
+def test_push_of_params_read_by_another_engine_is_refused(ci: dict[str, Any]) -> None:
+    # the pull decode read the params first; the push decode gets them again after the
+    # prefill reused the blocks: the prefill refuses to write from the ended hold
+    two = ci["push_two_engines"]
+    assert two["first"]["tokens"] == two["first"]["ref"], two["first"]
+    assert two["second"]["finish_reason"] == "length"
+    assert two["second"]["tokens"] == two["second"]["ref"], "decoded from reused blocks"
+    (line,) = [ln for ln in two["log"] if "had ended hold" in ln]
+    assert "HoldEndedError" in line

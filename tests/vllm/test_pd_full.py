@@ -1,5 +1,6 @@
-"""The full vLLM P/D matrix (``-m full``): 18 prompts over TP pairs, a killed and a
-restarted prefill, lease expiry, and two OpenAI servers behind examples/vllm/proxy.py."""
+"""The full vLLM P/D matrix (``-m full``): 18 prompts over TP pairs (pull, and push), a
+killed and a restarted prefill, lease expiry, and two OpenAI servers behind
+examples/vllm/proxy.py."""
 
 from __future__ import annotations
 
@@ -27,8 +28,25 @@ def faults(
     return run_scenario("faults", tmp, "--policy", request.param)
 
 
+@pytest.fixture(scope="module")
+def tokens_push(vllm_ready: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same TP pairs with the decodes in push mode (the prefill WRITEs)."""
+    tmp = tmp_path_factory.mktemp("vllm-tokens-push")
+    return run_scenario("tokens", tmp, "--decode-extra", '{"transfer_mode": "push"}',
+                        timeout_s=3000)  # fmt: skip
+
+
 @pytest.mark.parametrize("pair", ["1-1", "2-1", "1-2"])
 def test_tp_pair_tokens_equal_colocated(tokens: dict[str, Any], pair: str) -> None:
+    _pair_equal(tokens, pair)
+
+
+@pytest.mark.parametrize("pair", ["1-1", "2-1", "1-2"])
+def test_tp_pair_tokens_equal_colocated_push(tokens_push: dict[str, Any], pair: str) -> None:
+    _pair_equal(tokens_push, pair)
+
+
+def _pair_equal(tokens: dict[str, Any], pair: str) -> None:
     res = tokens["pairs"][pair]
     if "error" in res:
         ok = sum(r["tokens"] == r["ref"] for r in res["records"])

@@ -128,25 +128,34 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     neg = make_prompts(1, VOCAB, [70], seed=7)[0]
     par = make_prompts(1, VOCAB, [100], seed=5)[0]
     two = make_prompts(1, VOCAB, [90], seed=13)[0]
+    two_push = make_prompts(1, VOCAB, [90], seed=17)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
     p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool)
     d = _start("decode", a, "kvxfer", "1")
     d2 = _start("decode2", a, "kvxfer", "1", failure_policy="recompute")
+    # push mode: the prefill WRITEs into this decode's blocks
+    d3 = _start("decode3", a, "kvxfer", "1", failure_policy="recompute",
+                extra={"transfer_mode": "push"})  # fmt: skip
     try:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
-                "decode2_s": d2.wait_ready()}  # fmt: skip
-        refs = _refs(p, [*prompts, neg, par, two])
+                "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready()}  # fmt: skip
+        refs = _refs(p, [*prompts, neg, par, two, two_push])
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
+        pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
-            "init": init, "records": records, "negative": _negative(p, d, neg, refs[-3]),
-            "parallel": _parallel(p, d, par, refs[-2]),
+            "init": init, "records": records, "negative": _negative(p, d, neg, refs[-4]),
+            "parallel": _parallel(p, d, par, refs[-3]),
             "log": _log_lines(d, "already took it", "made for another prompt"),
-            "two_engines": _two_engines(p, d, d2, two, refs[-1], pool),
+            "two_engines": _two_engines(p, d, d2, two, refs[-2], pool),
+            "push": {"records": pushed, "log": _log_lines(d3, "KV load ended"),
+                     "negative": _negative(p, d3, neg, refs[-4])},
+            "push_two_engines": _two_engines(p, d, d3, two_push, refs[-1], pool),
         }  # fmt: skip
     finally:
         p.stop()
         d.stop()
         d2.stop()
+        d3.stop()
 
 
 def _evidence(*insts: Instance, n: int = 4) -> list[str]:

@@ -40,6 +40,7 @@ from kvxfer.integrations.vllm.worker import (
     hold_slots,
     idle_wait,
     peer_list,
+    transfer_mode,
 )
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def _log_through_vllm() -> None:
 
 
 class KvxferConnector(KVConnectorBase_V1):
-    """vLLM KV connector moving KV caches between P/D instances with kvxfer (pull mode).
+    """vLLM KV connector moving KV caches between P/D instances with kvxfer (pull or push).
 
     Extra config keys (``kv_connector_extra_config``): ``side_channel_host``
     (default 127.0.0.1), ``side_channel_port`` (0: ephemeral; else base port, rank
@@ -109,7 +110,8 @@ class KvxferConnector(KVConnectorBase_V1):
     request to them skips first contact; default none), ``preconnect_s`` (how long an
     unreachable one is retried, default 600), ``hold_slots`` (prefill side: requests
     held for decodes at once, default 65,536; past it the prefill offers no KV and the
-    decode computes the prompt).
+    decode computes the prompt), ``transfer_mode`` (decode side: ``"pull"``, the default,
+    READs the prefill's blocks; ``"push"`` asks the prefill to WRITE them).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -200,6 +202,7 @@ class KvxferConnector(KVConnectorBase_V1):
             preconnect_s=float(_extra(cfg, "preconnect_s", 600.0)),
             idle_wait_s=idle_wait(_extra(cfg, "idle_wait_s", 0.002)),
             hold_slots=hold_slots(_extra(cfg, "hold_slots", 1 << 16)),
+            transfer_mode=transfer_mode(_extra(cfg, "transfer_mode", "pull")),
         )
         self._worker = WorkerSide(settings)
         self._worker.register([kv_caches[n] for n in names])

@@ -2,10 +2,14 @@
 
 Runs in each vLLM worker process (one TP rank). A prefill worker hosts a
 :class:`~kvxfer.engine.Producer` (blocks held per request until read); a decode
-worker hosts a :class:`~kvxfer.engine.Consumer` (one pull READ per request, started
-without blocking the forward pass and polled once per step; a step that runs no tokens
-waits up to ``idle_wait_s`` for a transfer to end, see :meth:`WorkerSide.finished`). An
-engine with ``kv_both`` hosts both.
+worker hosts a :class:`~kvxfer.engine.Consumer` (one pull READ per request, or with
+``transfer_mode`` "push" one request to the prefill to WRITE it, started without
+blocking the forward pass and polled once per step; a step that runs no tokens waits
+up to ``idle_wait_s`` for a transfer to end, see :meth:`WorkerSide.finished`). An
+engine with ``kv_both`` hosts both. A push that did not end DONE is reported (failed)
+only once the prefill can write nothing more into its blocks
+(:attr:`~kvxfer.engine.Transfer.quarantined`), so vLLM never recomputes into blocks a
+late WRITE could still overwrite.
 
 State is owned by vLLM's worker thread (it calls every method here); the engines'
 own threads are behind their public, thread-safe methods.
@@ -27,7 +31,14 @@ from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
 
-__all__ = ["WorkerSettings", "WorkerSide", "hold_slots", "idle_wait", "peer_list"]
+__all__ = [
+    "WorkerSettings",
+    "WorkerSide",
+    "hold_slots",
+    "idle_wait",
+    "peer_list",
+    "transfer_mode",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +96,21 @@ def hold_slots(value: Any) -> int:
     return check_hold_slots("kv_connector_extra_config.hold_slots", value)
 
 
+def transfer_mode(value: Any) -> str:
+    """The ``transfer_mode`` extra-config value (decode side): ``"pull"`` (the decode
+    READs the prefill's blocks) or ``"push"`` (the decode asks the prefill to WRITE
+    them into its blocks).
+
+    Raises:
+        ConfigError: naming the key, for anything else.
+    """
+    if value not in ("pull", "push"):
+        raise ConfigError(
+            f'kv_connector_extra_config.transfer_mode must be "pull" or "push", got {value!r}'
+        )
+    return str(value)
+
+
 @contextmanager
 def threads_on_every_cpu() -> Iterator[None]:
     """Threads started inside may run on every CPU the process may use.
@@ -131,6 +157,7 @@ class WorkerSettings:
     preconnect_s: float = 600.0  # how long to keep trying an unreachable one
     idle_wait_s: float = 0.002  # a step that ran no tokens waits this long for a transfer
     hold_slots: int = 1 << 16  # the producer's hold table (kvxfer.engine.holds)
+    transfer_mode: str = "pull"  # decode side: "pull" (READ) or "push" (the prefill WRITEs)
 
 
 @dataclass(slots=True)
@@ -218,20 +245,22 @@ class WorkerSide:
         if self.consumer is None:
             self._loads[job.request_id] = _Load(job, None, "this engine is not a kv consumer")
             return
+        r = job.remote
+        local, remote = list(job.local_block_ids), list(job.remote_block_ids)
         try:
-            t = self.consumer.read(
-                job.remote.request_id, job.remote.address,
-                local_block_ids=list(job.local_block_ids),
-                remote_block_ids=list(job.remote_block_ids),
-                generation=job.remote.generation_map,
-                deadline_s=self.settings.deadline_s,
-                lease_expires_at_ns=(
-                    None
-                    if job.remote.lease_expires_at_ms is None
-                    else job.remote.lease_expires_at_ms * 1_000_000
-                ),
-                hold_ticket=job.remote.hold_ticket or None,
-            )  # fmt: skip
+            if self.settings.transfer_mode == "push":
+                t = self.consumer.push(
+                    r.request_id, r.address, local_block_ids=local, remote_block_ids=remote,
+                    generation=r.generation_map, deadline_s=self.settings.deadline_s,
+                    hold_ticket=r.hold_ticket or None,
+                )  # fmt: skip
+            else:
+                lease_ns = None if r.lease_expires_at_ms is None else r.lease_expires_at_ms * 10**6
+                t = self.consumer.read(
+                    r.request_id, r.address, local_block_ids=local, remote_block_ids=remote,
+                    generation=r.generation_map, deadline_s=self.settings.deadline_s,
+                    lease_expires_at_ns=lease_ns, hold_ticket=r.hold_ticket or None,
+                )  # fmt: skip
         except Exception as e:  # reported as this load's failure
             self._loads[job.request_id] = _Load(job, None, f"{type(e).__name__}: {e}")
             return
@@ -276,9 +305,10 @@ class WorkerSide:
                 log.debug("request %s: blocks released (%s)", rid, reason)
         recving: set[str] = set()
         for rid, load in list(self._loads.items()):
-            state = load.transfer.poll() if load.transfer is not None else RequestState.FAILED
-            if not state.is_terminal:
-                continue
+            t = load.transfer
+            state = t.poll() if t is not None else RequestState.FAILED
+            if not state.is_terminal or (t is not None and t.quarantined):
+                continue  # quarantined: a push that did not end DONE may still land there
             del self._loads[rid]
             recving.add(rid)
             if state is not RequestState.DONE:
