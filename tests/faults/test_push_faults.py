@@ -67,6 +67,38 @@ def test_push_after_timeout_never_lands(spawn, closing) -> None:  # type: ignore
     assert cons._inbox.num_live == 0  # settled attempts are pruned: nothing grows
 
 
+def test_a_killed_producer_ends_the_quarantine_at_once(spawn, closing) -> None:  # type: ignore[no-untyped-def]
+    """A push that timed out while its producer was stopped stays quarantined while that
+    process lives (stopped, it could still write when continued). Once it is killed,
+    nothing more can land: the consumer sees its side channel refuse connections and
+    ends the quarantine within a few heartbeats, not at ``deadline + lease_s`` (60 s
+    here; before, a vLLM decode reported such a load 125 s after it started)."""
+    a = spawn(engine_id="pa", num_blocks=256).start()
+    cons, ranks = make_consumer("tiny-gqa", 256, handshake_timeout_s=2.0, heartbeat_s=0.2)
+    closing(cons)
+    assert cons.config.lease_s >= 60
+    _warm(cons, a, ranks)
+    lids, rids = np.arange(10, 138), np.arange(0, 128)
+    a.stop_process()
+    t = cons.push("late", a.address, local_block_ids=lids, remote_block_ids=rids,
+                  deadline_s=DEADLINE_S)  # fmt: skip
+    wait_all([t], DEADLINE_S + 5)
+    assert t.state in (RequestState.TIMEOUT, RequestState.PEER_LOST), (t.state, t.error)
+    time.sleep(1.0)  # heartbeats go unanswered: the producer may be gone or only stopped
+    assert t.quarantined
+    a.kill()
+    t0 = time.monotonic()
+    while t.quarantined and time.monotonic() < t0 + 10:
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    print(f"[measure] quarantine ended {took * 1e3:.0f} ms after the kill")
+    assert not t.quarantined
+    assert took < 5.0, took
+    assert _landed(ranks, lids) == 0
+    time.sleep(0.05)
+    assert cons._inbox.num_live == 0
+
+
 def test_retry_not_completed_by_stale_write_done(spawn, closing) -> None:  # type: ignore[no-untyped-def]
     """Item 2: the first attempt's WriteDone does not complete a retry with the same id."""
     a = spawn(engine_id="pa", num_blocks=64).start()

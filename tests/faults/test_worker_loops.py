@@ -66,7 +66,7 @@ def test_heartbeat_thread_survives_a_failing_verdict_callback_and_bad_endpoints(
         while not verdicts and time.monotonic() < end:
             time.sleep(0.05)
         assert [k for k, _ in verdicts] == ["a"]
-        assert "no heartbeat reply 2 times in a row" in verdicts[0][1]
+        assert "refuses connections" in verdicts[0][1]  # nothing listens: one probe
         # the callback raised: the thread lives on and judges the next peers
         mon.watch("b", {"not-an-endpoint": {2}})  # ZMQ refuses the address itself
         mon.watch("c", {_dead_endpoint(): {3}})

@@ -62,7 +62,9 @@ class RequestState(str, Enum):
     - Push (WRITE), any other terminal state: the producer may still be writing, so
       the local blocks are QUARANTINED (``Transfer.quarantined`` is True): not
       reusable until every producer rank the request went to confirmed (``Cancelled``
-      or ``WriteDone`` for this attempt), or ``deadline + lease_s`` passed. The
+      or ``WriteDone`` for this attempt), or its process is proven gone (its side
+      channel refuses connections, or another incarnation answers there: see
+      :mod:`kvxfer.engine.liveness`), or ``deadline + lease_s`` passed. The
       producer never starts a write past the request's deadline (the PushRequest
       carries its remaining budget), releases posted writes at the deadline or on
       Abort, and then confirms. Residual risk: the time bound assumes the producer

@@ -85,7 +85,7 @@ class Consumer(FirstContact):
         except BaseException:
             self.close()
             raise
-        self._inbox = Inbox(self.ranks)
+        self._inbox = Inbox(self.ranks, on_quarantine=self._watch_quarantine)
         self._progress = Progress()  # drives the requests someone waits on
         self._context = RequestContext(
             config=config,
@@ -101,7 +101,11 @@ class Consumer(FirstContact):
             watch=self._progress.watch,
         )  # what each Transfer's state machine needs from this engine
         self._monitor = PeerMonitor(
-            self.compat_hash, config.heartbeat_s, self._on_peer_lost, auth_key=config.auth_key
+            self.compat_hash,
+            config.heartbeat_s,
+            self._on_peer_lost,
+            auth_key=config.auth_key,
+            on_gone=self._inbox.settle_generations,
         )
         self._warm_up()
 
@@ -129,6 +133,13 @@ class Consumer(FirstContact):
         if peer is not None and set(peer.generations.values()) == generations:
             peer.error = PeerLostError(f"{address}: {reason}")
             self._drop_peer(peer)
+
+    def _watch_quarantine(self, t: Transfer) -> None:
+        """A push ended without DONE and its producer may still write: probe the
+        producer's endpoints until its process is proven gone (which settles the
+        quarantine at once) or the quarantine's time bound passes."""
+        for ep, gens in t.peer.endpoint_generations.items():
+            self._monitor.watch_end(ep, gens, t.quarantine_until)
 
     @property
     def address(self) -> str:

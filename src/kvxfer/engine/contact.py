@@ -17,6 +17,7 @@ from typing import NoReturn
 import numpy as np
 
 from kvxfer.engine.config import EngineConfig, check_seconds
+from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache
@@ -45,6 +46,7 @@ class FirstContact:
     _peers: dict[str, PeerInfo]
     _watched: dict[str, tuple[float, float]]  # preconnect addresses (under _lock)
     _monitor: PeerMonitor
+    _inbox: Inbox
     _progress: Progress
 
     def connect(self, address: str, timeout_s: float | None = None) -> PeerInfo:
@@ -152,6 +154,9 @@ class FirstContact:
                 raise LayoutError(f"{peer.address}: several records claim the same TP rank")
             layouts = {r.tp_rank: layout_from_record(r) for r in recs}
             peer.generations = {r.tp_rank: r.generation for r in recs}
+            peer.endpoint_generations = {
+                ep: {r.generation for r in rs} for ep, rs in by_endpoint.items()
+            }
             peer.holds = {r.tp_rank: (r.hold_addr, r.hold_slots) for r in recs}
             names = {r.tp_rank: r.agent_name for r in recs}
             t1 = time.perf_counter()  # fetched and decoded
@@ -200,9 +205,7 @@ class FirstContact:
                 "prepare": t4 - t3,
                 "wire_up": t5 - t4,
             }
-            self._monitor.watch(
-                peer.address, {ep: {r.generation for r in rs} for ep, rs in by_endpoint.items()}
-            )
+            self._monitor.watch(peer.address, peer.endpoint_generations)
         except KvxferError as e:
             self._contact_failed(peer, e)
         except Exception as e:  # any other error (a ZMQ one too) fails this contact, typed
@@ -299,6 +302,8 @@ class FirstContact:
             ) from e
         if now == t.peer.generations:
             self._wrong_pin(t)
+        # the incarnations replaced there are gone: pushes from them are settled
+        self._inbox.settle_generations(set(t.peer.generations.values()) - set(now.values()))
         t.rechecked = True
         self._drop_peer(t.peer)
         t.peer = self._peer(t.peer.address)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvxfer.engine.rank import RankCache
 from kvxfer.engine.transfer import Transfer
@@ -33,14 +33,26 @@ IDLE_S = 0.01  # otherwise (unsolicited notices still drain: bounded memory)
 class Inbox:
     """Live push attempts by attempt id, and the thread that drains notifications.
 
-    Thread-safe: :meth:`add`, :meth:`discard`, :meth:`status` and :meth:`live` may be
-    called from any thread; the attempt sets of a Transfer are read and written under
-    the inbox lock only.
+    Thread-safe: :meth:`add`, :meth:`discard`, :meth:`status`, :meth:`live` and
+    :meth:`settle_generations` may be called from any thread; the attempt sets of a
+    Transfer are read and written under the inbox lock only.
+
+    Args:
+        ranks: the consumer's local ranks (whose notifications are drained).
+        on_quarantine: called (from the drain thread, outside the lock) once for each
+            push attempt that ended without DONE while its producer may still write:
+            the consumer then watches for proof that the producer process is gone.
     """
 
-    def __init__(self, ranks: Mapping[int, RankCache]) -> None:
+    def __init__(
+        self,
+        ranks: Mapping[int, RankCache],
+        on_quarantine: Callable[[Transfer], None] | None = None,
+    ) -> None:
         self._ranks = dict(ranks)
+        self._on_quarantine = on_quarantine
         self._live: dict[int, Transfer] = {}
+        self._quarantined: set[int] = set()  # attempts reported to on_quarantine
         self._num_push = 0  # live push attempts (pull ones need no fast drain)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -58,6 +70,7 @@ class Inbox:
 
     def discard(self, t: Transfer) -> None:
         with self._lock:
+            self._quarantined.discard(t.attempt)
             if self._live.pop(t.attempt, None) is not None:
                 self._num_push -= t.op is XferOp.WRITE
 
@@ -76,6 +89,27 @@ class Inbox:
         with self._lock:
             done = t.expected <= t.written
             return done, t.failed_reason, t.expected <= (t.written | t.settled)
+
+    def settle_generations(self, generations: set[int]) -> int:
+        """Producer incarnations ``generations`` are proven ended (their process exited
+        or was replaced): nothing of theirs can land any more, so the ranks running them
+        count as settled in every live push attempt (not as written: such an attempt
+        never becomes DONE). Returns how many (local, remote) rank pairs were settled."""
+        n = 0
+        if not generations:
+            return n
+        with self._lock:
+            for t in self._live.values():
+                if t.op is not XferOp.WRITE:
+                    continue
+                gens = t.peer.generations
+                for d, r in t.expected - t.written - t.settled:
+                    if gens.get(r) in generations:
+                        t.settled.add((d, r))
+                        n += 1
+        if n:
+            log.info("settled %d push rank(s) of ended producers %s", n, sorted(generations))
+        return n
 
     def close(self) -> None:
         self._stop.set()
@@ -105,13 +139,21 @@ class Inbox:
                 for raw in msgs:
                     self._dispatch(d, agent, raw)
         now = time.monotonic()
+        fresh: list[Transfer] = []
         with self._lock:
             for a, t in list(self._live.items()):
-                if t.state.is_terminal and (
-                    t.expected <= (t.written | t.settled) or now >= t.quarantine_until
-                ):
+                if not t.state.is_terminal:
+                    continue
+                if t.expected <= (t.written | t.settled) or now >= t.quarantine_until:
                     del self._live[a]
+                    self._quarantined.discard(a)
                     self._num_push -= t.op is XferOp.WRITE
+                elif a not in self._quarantined:
+                    self._quarantined.add(a)
+                    fresh.append(t)
+        if self._on_quarantine is not None:
+            for t in fresh:
+                self._on_quarantine(t)
 
     def _dispatch(self, d: int, agent: str, raw: bytes) -> None:
         try:

@@ -1,27 +1,70 @@
-"""Liveness of idle peers: side-channel heartbeats that notice dead or restarted producers.
+"""Liveness of peers: side-channel heartbeats that notice dead or restarted producers,
+and end watches that prove a producer process gone.
 
 NIXL reports a dead peer only when a transfer touches it. :class:`PeerMonitor` probes
 each known producer's side channel every ``interval_s``: a reply with another
-generation means the producer restarted; ``max_misses`` unanswered probes in a row
-mean it is gone. Either way ``on_lost(address, reason, generations)`` is called once
-(``generations``: what the verdict was about, so a peer re-handshaken meanwhile, with
-other generations, is not dropped by a verdict about its predecessor), and the
-consumer drops the peer (its agents, lists and handles) so the next request
-re-handshakes.
+generation means the producer restarted; a refused connection means nothing listens
+there any more (the process exited or closed its side channel); ``max_misses``
+unanswered probes in a row mean it is gone or unreachable. Each verdict calls
+``on_lost(address, reason, generations)`` once (``generations``: what the verdict was
+about, so a peer re-handshaken meanwhile, with other generations, is not dropped by a
+verdict about its predecessor), and the consumer drops the peer (its agents, lists and
+handles) so the next request re-handshakes.
+
+Only the first two verdicts prove that the old process can no longer touch memory
+(another process took its port, or none holds it); unanswered probes do not (a stopped
+or partitioned process may go on). :meth:`PeerMonitor.watch_end` keeps probing the
+endpoints of an incarnation that a push may still be writing from, after the heartbeat
+gave up on it, until one of those proofs comes; ``on_gone(generations)`` is called with
+the generations proven ended, by either kind of probe (the consumer then ends the
+quarantine of pushes from them, see :class:`~kvxfer.engine.config.RequestState`).
+A refused connection counts only for an endpoint on this host (its own kernel refused:
+no process holds the port); another host's refusal may come from a firewall. A producer
+on another host is proven gone only when its next incarnation answers at its endpoint;
+until then a push from it stays quarantined up to its time bound.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable
 
 from kvxfer.errors import KvxferError, PeerLostError
 from kvxfer.transport.side_client import fetch_records
 
-__all__ = ["PeerMonitor"]
+__all__ = ["PeerMonitor", "listener_gone"]
 
 log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 0.5  # the refused-connection check (a refusal comes at once)
+
+
+def listener_gone(endpoint: str, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+    """True when ``endpoint`` ("tcp://host:port") is on this host and a TCP connection to
+    it is refused: nothing listens there, so the process that served it exited (or
+    closed it). False when it connects or times out (alive, stopped or unreachable), for
+    endpoints that are not TCP, and for other hosts: a refusal from another host may come
+    from a firewall while the process behind it lives (this machine's own network
+    rejects connections to unknown hosts that way), so it proves nothing."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[
+            0
+        ]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind((str(addr[0]), 0))  # succeeds only for an address of this host
+        with socket.create_connection((str(addr[0]), int(addr[1])), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 class PeerMonitor:
@@ -32,10 +75,13 @@ class PeerMonitor:
         interval_s: seconds between probes of one peer (also the probe timeout).
         on_lost: called with ``(address, reason, generations)`` when a peer died or
             restarted (``generations``: the ones that were watched).
-
-    Thread-safety: :meth:`watch`, :meth:`forget` and :meth:`close` may be called from
-    any thread; the probe thread never dies from one failed probe.
         max_misses: unanswered probes in a row before a peer counts as dead.
+        on_gone: called with generations proven ended (their process exited or was
+            replaced), from heartbeats and end watches alike.
+
+    Thread-safety: :meth:`watch`, :meth:`forget`, :meth:`watch_end` and :meth:`close`
+    may be called from any thread; the probe thread owns the probing and never dies
+    from one failed probe or callback. ``_peers`` and ``_ending`` are under ``_lock``.
     """
 
     def __init__(
@@ -45,14 +91,18 @@ class PeerMonitor:
         on_lost: Callable[[str, str, set[int]], None],
         max_misses: int = 3,
         auth_key: bytes | None = None,
+        on_gone: Callable[[set[int]], object] | None = None,
     ) -> None:
         self._hash = compat_hash
         self._auth_key = auth_key
         self._interval_s = interval_s
         self._on_lost = on_lost
+        self._on_gone = on_gone
         self._max_misses = max_misses
         # peer key -> endpoint -> (generations served there, consecutive misses)
         self._peers: dict[str, dict[str, tuple[set[int], int]]] = {}
+        # end watches: endpoint -> (generations not yet proven ended, monotonic give-up)
+        self._ending: dict[str, tuple[set[int], float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxfer-heartbeat", daemon=True)
@@ -67,6 +117,18 @@ class PeerMonitor:
         with self._lock:
             self._peers.pop(key, None)
 
+    def watch_end(self, endpoint: str, generations: set[int], until: float) -> None:
+        """Probe ``endpoint`` each interval until ``generations`` served there are proven
+        ended (then ``on_gone``), or until the monotonic time ``until``."""
+        with self._lock:
+            gens, end = self._ending.get(endpoint, (set(), 0.0))
+            self._ending[endpoint] = (gens | generations, max(end, until))
+
+    @property
+    def num_ending(self) -> int:
+        with self._lock:
+            return len(self._ending)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(self._interval_s * 2 + 1)
@@ -76,45 +138,95 @@ class PeerMonitor:
             with self._lock:
                 peers = {k: dict(v) for k, v in self._peers.items()}
             for key, endpoints in peers.items():
-                watched = {g for gens, _ in endpoints.values() for g in gens}
-                for ep, (gens, misses) in endpoints.items():
-                    try:
-                        reason = self._probe(key, ep, gens, misses)
-                    except Exception as e:  # the loop survives anything: a typed verdict
-                        reason = f"{ep}: heartbeat failed: {type(e).__name__}: {e}"
-                    if reason is not None:
-                        with self._lock:  # forget only the watch this verdict is about
-                            now = self._peers.get(key)
-                            if (
-                                now is not None
-                                and {g for gs, _ in now.values() for g in gs} == watched
-                            ):
-                                del self._peers[key]
-                        log.warning("peer %s lost: %s", key, reason)
-                        try:
-                            self._on_lost(key, reason, watched)
-                        except Exception as e:
-                            log.exception("on_lost(%s) failed: %s", key, e)
-                        break
+                self._heartbeat(key, endpoints)
+            self._watch_ends()
 
-    def _probe(self, key: str, endpoint: str, gens: set[int], misses: int) -> str | None:
+    def _heartbeat(self, key: str, endpoints: dict[str, tuple[set[int], int]]) -> None:
+        watched = {g for gens, _ in endpoints.values() for g in gens}
+        for ep, (gens, misses) in endpoints.items():
+            gone = False
+            try:
+                reason, gone = self._probe(key, ep, gens, misses)
+            except Exception as e:  # the loop survives anything: a typed verdict
+                reason = f"{ep}: heartbeat failed: {type(e).__name__}: {e}"
+            if reason is None:
+                continue
+            with self._lock:  # forget only the watch this verdict is about
+                now = self._peers.get(key)
+                if now is not None and {g for gs, _ in now.values() for g in gs} == watched:
+                    del self._peers[key]
+            log.warning("peer %s lost: %s", key, reason)
+            self._call(self._on_lost, key, reason, watched)
+            if gone:
+                self._call(self._on_gone, gens)
+            return
+
+    def _watch_ends(self) -> None:
+        with self._lock:
+            ending = dict(self._ending)
+        now = time.monotonic()
+        for ep, (gens, until) in ending.items():
+            ended: set[int] = set()
+            if now < until:
+                try:
+                    ended = self._ended(ep, gens)
+                except Exception as e:  # no proof; probed again next round
+                    log.debug("end watch %s: %r", ep, e)
+            with self._lock:
+                left, end = self._ending.get(ep, (set(), 0.0))
+                if now >= end or not left - ended:
+                    self._ending.pop(ep, None)
+                else:
+                    self._ending[ep] = (left - ended, end)
+            if ended:
+                log.info("%s: generations %s ended (their process is gone)", ep, sorted(ended))
+                self._call(self._on_gone, ended)
+
+    def _ended(self, endpoint: str, gens: set[int]) -> set[int]:
+        """Those of ``gens`` proven to run no more at ``endpoint``: all of them when
+        nothing listens there, else those another generation replaced."""
         try:
             recs = fetch_records(
                 endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key
             )
         except PeerLostError:
+            return set(gens) if listener_gone(endpoint) else set()
+        except KvxferError:
+            return set()  # it answered (refused us): no proof
+        return gens - {r.generation for r in recs}
+
+    @staticmethod
+    def _call(fn: Callable[..., object] | None, *args: object) -> None:
+        if fn is None:
+            return
+        try:
+            fn(*args)
+        except Exception as e:
+            log.exception("%s%r failed: %s", getattr(fn, "__name__", fn), args[:1], e)
+
+    def _probe(
+        self, key: str, endpoint: str, gens: set[int], misses: int
+    ) -> tuple[str | None, bool]:
+        """``(verdict or None, whether it proves the generations ended)``."""
+        try:
+            recs = fetch_records(
+                endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key
+            )
+        except PeerLostError:
+            if listener_gone(endpoint):
+                return f"{endpoint}: refuses connections (its process exited)", True
             with self._lock:
                 if key in self._peers and endpoint in self._peers[key]:
                     self._peers[key][endpoint] = (gens, misses + 1)
             if misses + 1 >= self._max_misses:
-                return f"{endpoint}: no heartbeat reply {misses + 1} times in a row"
-            return None
+                return f"{endpoint}: no heartbeat reply {misses + 1} times in a row", False
+            return None, False
         except KvxferError as e:
-            return f"{endpoint}: heartbeat refused: {e}"
+            return f"{endpoint}: heartbeat refused: {e}", False
         now = {r.generation for r in recs}
         if now != gens:
-            return f"{endpoint} restarted: generation {sorted(gens)} -> {sorted(now)}"
+            return f"{endpoint} restarted: generation {sorted(gens)} -> {sorted(now)}", True
         with self._lock:
             if key in self._peers and endpoint in self._peers[key]:
                 self._peers[key][endpoint] = (gens, 0)
-        return None
+        return None, False

@@ -35,6 +35,7 @@ class PeerInfo:
     ready: threading.Event = field(default_factory=threading.Event)
     error: KvxferError | None = None
     generations: dict[int, int] = field(default_factory=dict)  # remote rank -> generation
+    endpoint_generations: dict[str, set[int]] = field(default_factory=dict)  # endpoint -> gens
     plans: dict[int, PeerPlan] = field(default_factory=dict)
     lists: dict[tuple[int, int], tuple[PreparedList, PreparedList]] = field(default_factory=dict)
     agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
