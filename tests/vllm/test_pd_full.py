@@ -1,9 +1,10 @@
 """The full vLLM P/D matrix (``-m full``): 18 prompts over TP pairs (pull, and push), a
-killed and a restarted prefill, lease expiry, and two OpenAI servers behind
+killed and a restarted prefill (pull and push), lease expiry, and two OpenAI servers behind
 examples/vllm/proxy.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,16 @@ def tokens(vllm_ready: None, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return run_scenario("tokens", tmp_path_factory.mktemp("vllm-tokens"), timeout_s=3000)
 
 
-@pytest.fixture(scope="module", params=["fail", "recompute"])
+@pytest.fixture(scope="module", params=["pull-fail", "pull-recompute", "push-fail"])
 def faults(
     vllm_ready: None, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> dict[str, Any]:
-    """One decode (kv_load_failure_policy ``request.param``), prefills killed/restarted."""
+    """One decode (transfer mode and kv_load_failure_policy from ``request.param``),
+    prefills killed/restarted."""
+    mode, policy = request.param.split("-")
     tmp = tmp_path_factory.mktemp(f"vllm-faults-{request.param}")
-    return run_scenario("faults", tmp, "--policy", request.param)
+    extra = json.dumps({"transfer_mode": mode})
+    return run_scenario("faults", tmp, "--policy", policy, "--decode-extra", extra)
 
 
 @pytest.fixture(scope="module")

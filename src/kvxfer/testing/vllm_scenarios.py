@@ -17,7 +17,8 @@ Scenarios:
         check refuses the read; recomputed).
     tokens: a colocated reference, then each TP pair ``P-D`` over 18 prompts.
     faults: lease expiry, a prefill killed before the decode reads, a restarted
-        prefill on the same port (fresh and stale params), one decode instance.
+        prefill on the same port (fresh and stale params), a prefill hung then killed
+        mid-load; one decode instance (pull, or push with ``--decode-extra``).
     http: two OpenAI servers and ``examples/vllm/proxy.py`` between them.
 The colocated reference of ``ci``, ``faults`` and ``http`` is the prefill instance
 serving a request without ``kv_transfer_params`` (its connector stays idle).
@@ -230,7 +231,8 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
     warm, lease_q, kill_q, stale_q, fresh_q, fresh2_q, mid_q = prompts
     address = f"tcp://127.0.0.1:{port}"
     d = _start("decode", a, "kvxfer", "1", failure_policy=a.policy,
-               extra={"deadline_s": a.deadline_s, "prefill_peers": [address]})  # fmt: skip
+               extra={**json.loads(a.decode_extra), "deadline_s": a.deadline_s,
+                      "prefill_peers": [address]})  # fmt: skip
     p = _start("prefill1", a, "kvxfer", "0", **popts)
     out: dict[str, Any] = {"policy": a.policy, "deadline_s": a.deadline_s, "lease_s": a.lease_s}
     try:
@@ -319,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tokens: OpenMP threads sleep instead of spinning while they wait",
     )
     ap.add_argument("--decode-extra", default="{}",
-                    help="tokens: the decode instances' kv_connector_extra_config (JSON)")  # fmt: skip
+                    help="tokens, faults: the decode's kv_connector_extra_config (JSON)")  # fmt: skip
     ap.add_argument("--pair-budget-s", type=float, default=600, help="tokens: per TP pair")
     ap.add_argument("--policy", default="fail", choices=["fail", "recompute"])
     ap.add_argument("--deadline-s", type=float, default=5.0, help="decode load deadline")
