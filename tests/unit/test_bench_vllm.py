@@ -118,6 +118,30 @@ def test_preconnected_variant_has_its_own_targets_and_timeline() -> None:
     md = "\n".join(markdown_section(doc))
     assert "- kvxfer-pre first/warm at 8.0 GiB: 1.2x (target <= 1.2x): **met**" in md
     assert "- kvxfer first/warm at 8.0 GiB: 4x (target <= 1.2x): **MISSED**" in md
+    assert "kvxfer-push" not in md  # not run: no push lines
+
+
+def test_push_variant_gets_its_own_targets() -> None:
+    """``kvxfer-push`` (the decode in push mode) is judged like the others, against the
+    same NixlConnector rows, and listed after them."""
+    raw = {
+        "config": {**MODEL_SHAPE, "block_size": 32, "page_bytes_per_layer": 8192,
+                   "vllm": "0.32.0", "prompt_lengths": [200, 256, 131], "max_tokens": 8},
+        "pairs": [
+            _pair("kvxfer-push", 1.0, 0.09, [0.06, 0.06]),
+            _pair("nixl", 1.0, 0.30, [0.10, 0.10]),
+            _pair("kvxfer-push", 8.0, 0.07, [0.05, 0.05]),
+            _pair("nixl", 8.0, 1.30, [0.10, 0.10]),
+        ],
+    }  # fmt: skip
+    doc = analyse(raw)
+    tp = doc["targets"]["push"]
+    assert tp["gaps_s"] == pytest.approx([0.21, 1.23]) and tp["gap_grows_with_size"]
+    assert tp["kvxfer_first_below_nixl_every_size"]
+    assert abs(tp["kvxfer_first_over_warm_largest"] - 1.4) < 1e-9 and not tp["first_over_warm_met"]
+    assert [r[0] for r in table_rows(doc)] == ["nixl", "kvxfer-push", "nixl", "kvxfer-push"]
+    md = "\n".join(markdown_section(doc))
+    assert "- kvxfer-push first/warm at 8.0 GiB: 1.4x (target <= 1.2x): **MISSED**" in md
 
 
 def test_first_ttft_is_the_median_over_prefill_incarnations() -> None:

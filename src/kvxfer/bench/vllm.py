@@ -32,7 +32,7 @@ DEFAULT_SIZES = (1, 2, 4, 8)
 QUICK_SIZES = (1,)
 LOCK = "/tmp/kvxfer-vllm.lock"
 TARGET_FIRST_OVER_WARM = 1.2
-_ORDER = {"nixl": 0, "kvxfer": 1, "kvxfer-pre": 2}
+_ORDER = {"nixl": 0, "kvxfer": 1, "kvxfer-pre": 2, "kvxfer-push": 3}
 COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "first range",
            "warm TTFT", "first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
 
@@ -84,6 +84,8 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
     )
     if any(r["connector"] == "kvxfer-pre" for r in rows):
         targets["preconnected"] = _targets(rows, "kvxfer-pre")
+    if any(r["connector"] == "kvxfer-push" for r in rows):
+        targets["push"] = _targets(rows, "kvxfer-push")
     return {"config": raw["config"], "rows": rows, "targets": targets, "failed": failed}
 
 
@@ -183,6 +185,7 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
         "",
         *target_lines("kvxfer", t),
         *(target_lines("kvxfer-pre", t["preconnected"]) if "preconnected" in t else []),
+        *(target_lines("kvxfer-push", t["push"]) if "push" in t else []),
         f"- decode tokens equal to the colocated run: "
         f"{'all' if t['all_tokens_equal'] else '**NOT all**'}",
     ]
@@ -242,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
                "--sizes", *map(str, sizes), "--prompts", str(3 if args.quick else args.prompts),
                "--first-samples", str(1 if args.quick else args.first_samples),
                "--out", str(out), "--log-dir", args.log_dir]  # fmt: skip
+        if args.connectors:
+            cmd[-4:-4] = ["--connectors", *args.connectors]
         rc = subprocess.call(cmd, env=env)
         if rc != 0 or not out.exists():
             print(f"kvxfer bench vllm: driver failed (exit {rc}); logs in {args.log_dir}",
@@ -285,6 +290,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--first-samples", type=int, default=3,
         help="first requests per pair, each to a new prefill incarnation (default 3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--connectors", nargs="+", choices=["nixl", "kvxfer", "kvxfer-pre", "kvxfer-push"],
+        help="which to run (default nixl kvxfer kvxfer-pre; kvxfer-push: the decode in push mode)",
     )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write results and machine info as JSON")
     p.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib)")

@@ -17,7 +17,9 @@
    (a fresh prompt of request 0's length: the decode's prefix cache cannot serve it).
    Tokens are compared with the colocated run. Connectors:
    ``nixl`` (vLLM's NixlConnector), ``kvxfer`` (first contact on the first request) and
-   ``kvxfer-pre`` (the decode's ``prefill_peers`` names the prefill: contacted at start).
+   ``kvxfer-pre`` (the decode's ``prefill_peers`` names the prefill: contacted at start)
+   and, on request, ``kvxfer-push`` (the decode in push mode: the prefill WRITEs; first
+   contact both ways on the first request).
 
 kvxfer runs through :class:`~kvxfer.bench.vllm_probe.ProfiledKvxferConnector` (the
 connector plus one log line per finished load), whose lines give the first request's
@@ -49,7 +51,9 @@ PROMPT_LENGTHS = (200, 256, 131, 300, 77, 224, 161, 288, 250)
 NIXL_PORT_BASE = 5610
 # kvxfer: first contact on the first request (what a decode that is told nothing pays);
 # kvxfer-pre: the decode lists its prefill in ``prefill_peers`` and contacts it at start
-KVXFER_VARIANTS = ("kvxfer", "kvxfer-pre")
+# kvxfer-push: the decode's transfer_mode is "push" (not in the default set)
+KVXFER_VARIANTS = ("kvxfer", "kvxfer-pre", "kvxfer-push")
+DEFAULT_CONNECTORS = ("nixl", "kvxfer", "kvxfer-pre")
 PROBE = {"kv_connector": "ProfiledKvxferConnector",
          "kv_connector_module_path": "kvxfer.bench.vllm_probe"}  # fmt: skip
 _PROFILE = re.compile(r"KVXFER_PROFILE (\{.*\})")
@@ -125,6 +129,8 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
         sc_port = port + 1000
         p_extra = {"extra": {**more, "side_channel_port": sc_port}}
         d_extra = {"extra": {**more, "prefill_peers": [f"tcp://127.0.0.1:{sc_port}"]}}
+    if connector == "kvxfer-push":
+        d_extra = {"extra": {**more, "transfer_mode": "push"}}
 
     def prefill(n: int) -> Instance:  # the kvxfer-pre one takes the same port each time
         return Instance(f"{tag}-prefill{n or ''}", cpus="0",
@@ -230,7 +236,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", required=True, help="KV pool GiB per instance")
     ap.add_argument("--prompts", type=int, default=9, help="1 first + warm requests")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--connectors", nargs="+", default=["nixl", *KVXFER_VARIANTS])
+    ap.add_argument("--connectors", nargs="+", default=list(DEFAULT_CONNECTORS),
+                    choices=["nixl", *KVXFER_VARIANTS])  # fmt: skip
     ap.add_argument("--model-dir", default="/tmp/kvxfer-vllm-bench-model")
     ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs")
     ap.add_argument("--first-samples", type=int, default=1,

@@ -34,6 +34,7 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvxfer.bench.cpu_census import Census, census, census_delta
@@ -80,11 +81,15 @@ class ProfiledKvxferConnector(KvxferConnector):
         consumer = self._worker.consumer if self._worker is not None else None
         if consumer is None:
             return
-        read = consumer.read
+        consumer.read = self._traced(consumer.read)  # type: ignore[method-assign]
+        consumer.push = self._traced(consumer.push)  # type: ignore[method-assign]
 
-        def traced_read(request_id: str, *args: Any, **kwargs: Any) -> Transfer:
+    def _traced(self, start: Callable[..., Transfer]) -> Callable[..., Transfer]:
+        """``start`` (the consumer's read or push) with its transfer traced."""
+
+        def traced(request_id: str, *args: Any, **kwargs: Any) -> Transfer:
             faults = _faults()
-            t = read(request_id, *args, **kwargs)
+            t = start(request_id, *args, **kwargs)
             self._probe_faults[request_id] = faults
             self._probe_live[request_id] = t
             self._probe_ready[request_id] = t.peer.ready.is_set()  # contact already done
@@ -92,7 +97,7 @@ class ProfiledKvxferConnector(KvxferConnector):
                 self._probe_census[request_id] = _census_start()
             return t
 
-        consumer.read = traced_read  # type: ignore[method-assign]
+        return traced
 
     @staticmethod
     def _trace_producer(producer: Producer) -> None:
