@@ -32,7 +32,10 @@ DEFAULT_SIZES = (1, 2, 4, 8)
 QUICK_SIZES = (1,)
 LOCK = "/tmp/kvxfer-vllm.lock"
 TARGET_FIRST_OVER_WARM = 1.2
-_ORDER = {"nixl": 0, "kvxfer": 1, "kvxfer-pre": 2, "kvxfer-push": 3}
+_ORDER = {"nixl": 0, "kvxfer": 1, "kvxfer-pre": 2, "kvxfer-push": 3, "kvxfer-push-pre": 4}
+# targets key -> the variant judged there (beside "kvxfer", judged at the top level)
+_VARIANT_TARGETS = {"preconnected": "kvxfer-pre", "push": "kvxfer-push",
+                    "push_preconnected": "kvxfer-push-pre"}  # fmt: skip
 COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "first range",
            "warm TTFT", "first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
 
@@ -82,10 +85,9 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
     targets["all_tokens_equal"] = (
         all(r["tokens_equal"] == r["requests"] for r in rows) and not failed
     )
-    if any(r["connector"] == "kvxfer-pre" for r in rows):
-        targets["preconnected"] = _targets(rows, "kvxfer-pre")
-    if any(r["connector"] == "kvxfer-push" for r in rows):
-        targets["push"] = _targets(rows, "kvxfer-push")
+    for key, label in _VARIANT_TARGETS.items():
+        if any(r["connector"] == label for r in rows):
+            targets[key] = _targets(rows, label)
     return {"config": raw["config"], "rows": rows, "targets": targets, "failed": failed}
 
 
@@ -184,8 +186,7 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
         markdown_table(COLUMNS, table_rows(doc)),
         "",
         *target_lines("kvxfer", t),
-        *(target_lines("kvxfer-pre", t["preconnected"]) if "preconnected" in t else []),
-        *(target_lines("kvxfer-push", t["push"]) if "push" in t else []),
+        *(ln for k, lab in _VARIANT_TARGETS.items() if k in t for ln in target_lines(lab, t[k])),
         f"- decode tokens equal to the colocated run: "
         f"{'all' if t['all_tokens_equal'] else '**NOT all**'}",
     ]
@@ -292,8 +293,9 @@ def add_parser(subparsers: Any) -> None:
         help="first requests per pair, each to a new prefill incarnation (default 3)",
     )  # fmt: skip
     p.add_argument(
-        "--connectors", nargs="+", choices=["nixl", "kvxfer", "kvxfer-pre", "kvxfer-push"],
-        help="which to run (default nixl kvxfer kvxfer-pre; kvxfer-push: the decode in push mode)",
+        "--connectors", nargs="+", choices=list(_ORDER),
+        help="which to run (default nixl kvxfer kvxfer-pre; kvxfer-push(-pre): the decode "
+        "in push mode)",
     )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write results and machine info as JSON")
     p.add_argument("--png", metavar="PATH", help="write a chart (needs matplotlib)")

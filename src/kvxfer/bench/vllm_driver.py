@@ -19,7 +19,8 @@
    ``nixl`` (vLLM's NixlConnector), ``kvxfer`` (first contact on the first request) and
    ``kvxfer-pre`` (the decode's ``prefill_peers`` names the prefill: contacted at start)
    and, on request, ``kvxfer-push`` (the decode in push mode: the prefill WRITEs; first
-   contact both ways on the first request).
+   contact both ways on the first request) and ``kvxfer-push-pre`` (push, the prefill
+   in ``prefill_peers``: both contacts made when the decode or prefill starts).
 
 kvxfer runs through :class:`~kvxfer.bench.vllm_probe.ProfiledKvxferConnector` (the
 connector plus one log line per finished load), whose lines give the first request's
@@ -51,8 +52,8 @@ PROMPT_LENGTHS = (200, 256, 131, 300, 77, 224, 161, 288, 250)
 NIXL_PORT_BASE = 5610
 # kvxfer: first contact on the first request (what a decode that is told nothing pays);
 # kvxfer-pre: the decode lists its prefill in ``prefill_peers`` and contacts it at start
-# kvxfer-push: the decode's transfer_mode is "push" (not in the default set)
-KVXFER_VARIANTS = ("kvxfer", "kvxfer-pre", "kvxfer-push")
+# kvxfer-push(-pre): the decode's transfer_mode is "push" (not in the default set)
+KVXFER_VARIANTS = ("kvxfer", "kvxfer-pre", "kvxfer-push", "kvxfer-push-pre")
 DEFAULT_CONNECTORS = ("nixl", "kvxfer", "kvxfer-pre")
 PROBE = {"kv_connector": "ProfiledKvxferConnector",
          "kv_connector_module_path": "kvxfer.bench.vllm_probe"}  # fmt: skip
@@ -125,12 +126,12 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
     more = dict(kvxfer_extra or {}) if kvxfer else {}
     p_extra: dict[str, Any] = {"extra": more} if more else {}
     d_extra: dict[str, Any] = {"extra": more} if more else {}
-    if connector == "kvxfer-pre":  # the decode knows its prefill peer from the start
+    if connector.endswith("-pre"):  # the decode knows its prefill peer from the start
         sc_port = port + 1000
         p_extra = {"extra": {**more, "side_channel_port": sc_port}}
         d_extra = {"extra": {**more, "prefill_peers": [f"tcp://127.0.0.1:{sc_port}"]}}
-    if connector == "kvxfer-push":
-        d_extra = {"extra": {**more, "transfer_mode": "push"}}
+    if "-push" in connector:
+        d_extra = {"extra": {**d_extra.get("extra", {}), "transfer_mode": "push"}}
 
     def prefill(n: int) -> Instance:  # the kvxfer-pre one takes the same port each time
         return Instance(f"{tag}-prefill{n or ''}", cpus="0",

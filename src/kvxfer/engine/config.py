@@ -112,6 +112,9 @@ class EngineConfig:
         hold_slots: size of a producer rank's hold table (8 bytes a slot, registered
             DRAM that readers check after their READ, see :mod:`kvxfer.engine.holds`):
             at most this many requests held at once.
+        push_contact: a consumer that will push: at first contact it asks each producer
+            to contact it back at once, so the first push does not pay the producer's
+            contact (fetching this engine's records) on its path.
     """
 
     engine_id: str
@@ -131,6 +134,7 @@ class EngineConfig:
     max_run_blocks: int = 1  # measured: NIXL 1.5 merges dense consecutive indices itself
     auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
     hold_slots: int = 1 << 16
+    push_contact: bool = False
 
     def check(self) -> None:
         """Raise ConfigError naming the first setting that is not a valid number."""

@@ -47,6 +47,12 @@ class FirstContact:
     _watched: dict[str, tuple[float, float]]  # preconnect addresses (under _lock)
     _monitor: PeerMonitor
     _inbox: Inbox
+    generation: int
+
+    @property
+    def address(self) -> str:
+        raise NotImplementedError  # the consumer's side-channel endpoint
+
     _progress: Progress
 
     def connect(self, address: str, timeout_s: float | None = None) -> PeerInfo:
@@ -250,12 +256,15 @@ class FirstContact:
             self.ranks[d].words_list_ready()
 
     def _wire_up(self, peer: PeerInfo) -> None:
-        """Send each producer rank one no-op notification from each of our ranks: UCX
-        wires a path on its first use (2-7 ms measured here, more under load), which
-        then happens during first contact instead of in the first request's post."""
+        """Send each producer rank one ``Heartbeat`` from each of our ranks: UCX wires a
+        path on its first use (2-7 ms measured here, more under load), which then
+        happens during first contact instead of in the first request's post. With
+        ``push_contact`` it names this engine, and the producer contacts us back now."""
+        me = self.address if self.config.push_contact else ""
         for cache in self.ranks.values():
             for rank, agent in peer.agents.items():
-                cache.backend.send_notif(agent, encode_msg(Heartbeat(peer.generations[rank])))
+                hb = Heartbeat(peer.generations[rank], me, self.generation if me else 0)
+                cache.backend.send_notif(agent, encode_msg(hb))
 
     def _drop_peer(self, peer: PeerInfo) -> None:
         """Forget a dead or restarted peer: its agents, lists and handles become invalid."""

@@ -335,7 +335,10 @@ class Producer:
                         self.num_rejected += 1  # a renew of an ended hold of this id
                         continue
                     table.renew(rid, now, lease)
-            elif not isinstance(msg, Heartbeat):
+            elif isinstance(msg, Heartbeat):
+                if msg.consumer_address:  # a consumer that will push: contact it now
+                    self._pusher.precontact(msg.consumer_address, msg.consumer_generation)
+            else:
                 self.num_rejected += 1
 
     def _on_written(

@@ -114,6 +114,14 @@ class PushWorker:
         no WRITE of it starts after ``deadline`` (monotonic seconds)."""
         self._jobs.put(("push", PushJob(rank, sender, req, deadline)))
 
+    def precontact(self, address: str, generation: int) -> None:
+        """A consumer announced itself (``Heartbeat`` with its address): fetch its records
+        and add its agents now, so its first push finds it contacted. Only an address
+        not known and not being fetched is contacted (an announcement never replaces a
+        known consumer), within the MAX_FETCHES bound; a failed fetch is only logged
+        (its first push contacts it again)."""
+        self._jobs.put(("precontact", (address, generation)))
+
     def cancel(self, rank: int, sender: str, request_id: str, attempt: int) -> None:
         """Abort from ``sender``: drop queued jobs of ``attempt`` at once, release its
         posted WRITE on the push thread, then confirm with ``Cancelled``."""
@@ -161,6 +169,12 @@ class PushWorker:
         if kind == "cancel":
             rank, sender, rid, attempt = cast(tuple[int, str, str, int], arg)
             self._cancel(rank, sender, rid, attempt)
+            return
+        if kind == "precontact":
+            address, _ = cast(tuple[str, int], arg)
+            known = address in self._peers or address in self._fetching
+            if not known and len(self._fetching) < MAX_FETCHES:
+                self._start_fetch(address, [])
             return
         assert isinstance(arg, PushJob)
         try:
@@ -233,7 +247,10 @@ class PushWorker:
             return
         if len(self._fetching) >= MAX_FETCHES:
             raise TransferError(f"{MAX_FETCHES} consumer contacts already in progress")
-        self._fetching[address] = [job]
+        self._start_fetch(address, [job])
+
+    def _start_fetch(self, address: str, jobs: list[PushJob]) -> None:
+        self._fetching[address] = jobs
         threading.Thread(
             target=self._fetch, args=(address,), name="kvxfer-push-fetch", daemon=True
         ).start()
@@ -256,6 +273,8 @@ class PushWorker:
                 raise TransferError(f"records of {address}: {type(out).__name__}: {out}") from out
             self._install(address, out)
         except KvxferError as e:
+            if not jobs:
+                log.info("contacting consumer %s ahead of its pushes failed: %s", address, e)
             for job in jobs:
                 self._fail(job, e)
             return

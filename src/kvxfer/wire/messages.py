@@ -93,11 +93,16 @@ class LeaseRenew(_Msg, frozen=True, tag="lr"):
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
-    """A no-op addressed to the recipient's incarnation ``generation``: a consumer sends
-    one per producer rank at first contact, so that the notification path is wired
-    before the first request needs it; the producer drops it silently."""
+    """Addressed to the recipient's incarnation ``generation``: a consumer sends one per
+    producer rank at first contact, so that the notification path is wired before the
+    first request needs it. With ``consumer_address`` (a consumer that will push,
+    ``EngineConfig.push_contact``) it also asks the producer to contact that consumer
+    now (fetch its records, add its agents) instead of on its first push; without it,
+    the producer drops it."""
 
     generation: U64
+    consumer_address: Name = ""  # appended: older producers ignore it
+    consumer_generation: U64 = 0
 
 
 BlockIds = Annotated[

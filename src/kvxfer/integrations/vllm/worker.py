@@ -192,6 +192,8 @@ class WorkerSide:
                 f"{s.engine_id}-{role}", side_channel_addr=addr, model_name=s.model_name,
                 dtype=s.dtype, kv_dtype=s.dtype, deadline_s=s.deadline_s, lease_s=s.lease_s,
                 heartbeat_s=s.heartbeat_s, hold_slots=s.hold_slots,
+                # a push decode asks each prefill to contact it back at first contact
+                push_contact=role == "d" and s.transfer_mode == "push",
             )  # fmt: skip
 
         with threads_on_every_cpu():

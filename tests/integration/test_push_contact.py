@@ -1,0 +1,86 @@
+"""A push consumer's first contact asks the producer to contact it back at once
+(``EngineConfig.push_contact``), so its first push does not fetch its records on the way;
+announcements never replace a known consumer and a bad one costs nothing but a log line."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvxfer.engine import RequestState
+from kvxfer.testing import mismatches
+from kvxfer.wire import Heartbeat, encode_msg
+from tests.engines import free_port, local_pair
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _count_fetches(prod: Any) -> list[str]:
+    """Record every consumer-records fetch the producer's push worker starts."""
+    pusher = prod._pusher
+    calls: list[str] = []
+    real: Callable[[str], None] = pusher._fetch
+
+    def counted(address: str) -> None:
+        calls.append(address)
+        real(address)
+
+    pusher._fetch = counted
+    return calls
+
+
+def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def _push_ok(spec: Any, local: Any, cons: Any, prod: Any, rid: str, lid: int, rid_: int) -> None:
+    t = cons.push(rid, prod.address, local_block_ids=[lid], remote_block_ids=[rid_])
+    assert t.wait(10) is RequestState.DONE, t.error
+    assert mismatches(spec, local, spec, np.array([lid]), np.array([rid_])) == 0
+
+
+def test_a_push_consumer_is_contacted_back_at_first_contact() -> None:
+    with local_pair(16, push_contact=True) as (spec, local, prod, cons):
+        fetches = _count_fetches(prod)
+        cons.connect(prod.address)
+        assert _until(lambda: cons.address in prod._pusher._peers)
+        assert fetches == [cons.address]
+        _push_ok(spec, local, cons, prod, "r1", 2, 9)
+        assert fetches == [cons.address]  # the first push fetched nothing on its path
+        cons._drop_peer(cons._peers[prod.address])  # contact again: already known there
+        _push_ok(spec, local, cons, prod, "r2", 3, 10)
+        time.sleep(0.2)
+        assert fetches == [cons.address]
+
+
+def test_without_push_contact_the_first_push_contacts_on_its_path() -> None:
+    with local_pair(16) as (spec, local, prod, cons):
+        fetches = _count_fetches(prod)
+        cons.connect(prod.address)
+        time.sleep(0.5)
+        assert cons.address not in prod._pusher._peers and fetches == []
+        _push_ok(spec, local, cons, prod, "r1", 2, 9)
+        assert fetches == [cons.address]
+
+
+def test_an_announcement_naming_a_dead_address_costs_only_a_log_line() -> None:
+    with local_pair(16) as (spec, local, prod, cons):
+        fetches = _count_fetches(prod)
+        peer = cons.connect(prod.address)
+        dead = f"tcp://127.0.0.1:{free_port()}"
+        agent = peer.agents[0]
+        for _ in range(20):  # one fetch at most, however often it is announced
+            cons.ranks[0].backend.send_notif(agent, encode_msg(Heartbeat(prod.generation, dead, 7)))
+        assert _until(lambda: fetches == [dead])
+        time.sleep(cons.config.handshake_timeout_s + 0.5)  # that fetch fails meanwhile
+        assert dead not in prod._pusher._peers and prod._pusher.num_errors == 0
+        assert fetches == [dead]
+        _push_ok(spec, local, cons, prod, "r1", 4, 11)  # the producer serves on
+        assert prod.num_rejected == 0
