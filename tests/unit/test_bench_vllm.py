@@ -26,6 +26,13 @@ def _pair(conn: str, gib: float, first: float, warm: list[float], equal: bool = 
     return {"connector": conn, "kv_gib": gib, "init_s": {}, "requests": reqs}
 
 
+def _raw(*pairs: dict[str, Any]) -> dict[str, Any]:
+    """The driver's output for ``pairs`` (3 prompts, the benchmark's model)."""
+    config = {**MODEL_SHAPE, "block_size": 32, "page_bytes_per_layer": 8192,
+              "vllm": "0.32.0", "prompt_lengths": [200, 256, 131], "max_tokens": 8}  # fmt: skip
+    return {"config": config, "pairs": list(pairs)}
+
+
 def test_analyse_ratios_and_targets() -> None:
     raw = {
         "config": {
@@ -80,18 +87,14 @@ def test_preconnected_variant_has_its_own_targets_and_timeline() -> None:
     from kvxfer.bench.vllm import timeline_rows
     from kvxfer.bench.vllm_driver import _timeline
 
-    raw = {
-        "config": {**MODEL_SHAPE, "block_size": 32, "page_bytes_per_layer": 8192,
-                   "vllm": "0.32.0", "prompt_lengths": [200, 256, 131], "max_tokens": 8},
-        "pairs": [
-            _pair("nixl", 1.0, 0.30, [0.10, 0.10]),
-            _pair("kvxfer", 1.0, 0.25, [0.05, 0.05]),
-            _pair("kvxfer-pre", 1.0, 0.055, [0.05, 0.05]),
-            _pair("nixl", 8.0, 1.30, [0.10, 0.10]),
-            _pair("kvxfer", 8.0, 0.20, [0.05, 0.05]),
-            _pair("kvxfer-pre", 8.0, 0.06, [0.05, 0.05]),
-        ],
-    }  # fmt: skip
+    raw = _raw(
+        _pair("nixl", 1.0, 0.30, [0.10, 0.10]),
+        _pair("kvxfer", 1.0, 0.25, [0.05, 0.05]),
+        _pair("kvxfer-pre", 1.0, 0.055, [0.05, 0.05]),
+        _pair("nixl", 8.0, 1.30, [0.10, 0.10]),
+        _pair("kvxfer", 8.0, 0.20, [0.05, 0.05]),
+        _pair("kvxfer-pre", 8.0, 0.06, [0.05, 0.05]),
+    )
     # the first request's timeline: contact phases only where the read paid them
     prof = {"started_at": 10.0, "posted_at": 10.1, "finished_at": 10.12,
             "peer_timings_s": {"fetch": 0.02, "add_agent": 0.05}}  # fmt: skip
@@ -124,16 +127,12 @@ def test_preconnected_variant_has_its_own_targets_and_timeline() -> None:
 def test_push_variant_gets_its_own_targets() -> None:
     """``kvxfer-push`` (the decode in push mode) is judged like the others, against the
     same NixlConnector rows, and listed after them."""
-    raw = {
-        "config": {**MODEL_SHAPE, "block_size": 32, "page_bytes_per_layer": 8192,
-                   "vllm": "0.32.0", "prompt_lengths": [200, 256, 131], "max_tokens": 8},
-        "pairs": [
-            _pair("kvxfer-push", 1.0, 0.09, [0.06, 0.06]),
-            _pair("nixl", 1.0, 0.30, [0.10, 0.10]),
-            _pair("kvxfer-push", 8.0, 0.07, [0.05, 0.05]),
-            _pair("nixl", 8.0, 1.30, [0.10, 0.10]),
-        ],
-    }  # fmt: skip
+    raw = _raw(
+        _pair("kvxfer-push", 1.0, 0.09, [0.06, 0.06]),
+        _pair("nixl", 1.0, 0.30, [0.10, 0.10]),
+        _pair("kvxfer-push", 8.0, 0.07, [0.05, 0.05]),
+        _pair("nixl", 8.0, 1.30, [0.10, 0.10]),
+    )
     doc = analyse(raw)
     tp = doc["targets"]["push"]
     assert tp["gaps_s"] == pytest.approx([0.21, 1.23]) and tp["gap_grows_with_size"]
