@@ -1,7 +1,8 @@
 """The CI case: P1->D1 in a real vLLM, 4 prompts, token equality, the negative
 control, params made for another prompt, parallel sampling, the same params on a
 second decode engine, and push mode (a third decode with ``transfer_mode`` "push"), in
-one set of instance lifetimes (~1.5 min with start-up on 2 cores)."""
+one set of instance lifetimes (~1.5 min with start-up on 2 cores). All four instances
+hold one deployment key (``auth_key_file``): every transfer below is authenticated."""
 
 from __future__ import annotations
 
@@ -89,3 +90,13 @@ def test_push_of_params_read_by_another_engine_is_refused(ci: dict[str, Any]) ->
     assert two["second"]["tokens"] == two["second"]["ref"], "decoded from reused blocks"
     (line,) = [ln for ln in two["log"] if "had ended hold" in ln]
     assert "HoldEndedError" in line
+
+
+def test_the_keyed_prefill_answers_no_one_without_the_key(ci: dict[str, Any]) -> None:
+    # the transfers above ran with the key; a records request without it, or sealed with
+    # another key, gets a refusal and no record (no agent metadata, no addresses)
+    auth = ci["auth"]
+    assert auth["unkeyed"].startswith("AuthError"), auth
+    assert "requires authentication" in auth["unkeyed"], auth
+    assert auth["other_key"].startswith("AuthError"), auth
+    assert "same deployment key" in auth["other_key"], auth

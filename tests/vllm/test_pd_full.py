@@ -133,3 +133,7 @@ def test_http_proxy_tokens_equal_colocated(vllm_ready: None, tmp_path: Path) -> 
         assert r["tokens"] == r["ref"], r
     neg = res["negative"]  # the decode server really uses the KV it is handed
     assert neg["finish_reason"] == "length" and neg["tokens"] != neg["ref"], neg
+    # both servers are keyed by KVXFER_AUTH_KEY: the prefill answers no one without it
+    auth = res["auth"]
+    assert auth["unkeyed"].startswith("AuthError") and "requires authentication" in auth["unkeyed"]
+    assert auth["other_key"].startswith("AuthError") and "same deployment key" in auth["other_key"]

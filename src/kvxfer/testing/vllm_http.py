@@ -21,21 +21,24 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.integrations.vllm.params import prompt_hash
-from kvxfer.testing.vllm_pd import kv_transfer_config
+from kvxfer.testing.vllm_pd import kv_transfer_config, side_channel_refusals
 
 __all__ = ["completion", "run_http", "start_server"]
 
 PROXY = Path(__file__).resolve().parents[3] / "examples" / "vllm" / "proxy.py"
 
 
-def start_server(model: str, port: int, cpus: str, log_path: str) -> subprocess.Popen[bytes]:
-    """One OpenAI API server with the kvxfer connector (its own process group)."""
+def start_server(model: str, port: int, cpus: str, log_path: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+    """One OpenAI API server with the kvxfer connector (its own process group), with
+    ``env`` added to this process's environment."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
            "--dtype", "float32", "--block-size", "32", "--enforce-eager",
            "--max-model-len", "1024", "--max-num-seqs", "8", "--seed", "0",
            "--kv-transfer-config", json.dumps(kv_transfer_config("kvxfer"))]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
+           **(env or {})}  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - handed to the child
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)  # fmt: skip
@@ -80,12 +83,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def run_http(a: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
              free_port: Callable[[], int]) -> dict[str, Any]:  # fmt: skip
-    """Start P, D and the proxy; compare proxied decode tokens with the colocated ones."""
+    """Start P, D and the proxy; compare proxied decode tokens with the colocated ones.
+    Both servers hold one deployment key, from ``KVXFER_AUTH_KEY`` in their environment."""
+    import secrets
+
     pp, dp, xp = free_port(), free_port(), free_port()
     p_url, d_url, x_url = (f"http://127.0.0.1:{x}" for x in (pp, dp, xp))
+    keyed = {"KVXFER_AUTH_KEY": secrets.token_hex(32)}
     # requests name the model as served: by its path
-    procs = [start_server(a.model, pp, "0", os.path.join(a.log_dir, "http-prefill.log")),
-             start_server(a.model, dp, "1", os.path.join(a.log_dir, "http-decode.log"))]  # fmt: skip
+    procs = [start_server(a.model, pp, "0", os.path.join(a.log_dir, "http-prefill.log"), keyed),
+             start_server(a.model, dp, "1", os.path.join(a.log_dir, "http-decode.log"), keyed)]  # fmt: skip
     try:
         t0 = time.perf_counter()
         _wait_health(p_url, procs[0], 600)
@@ -116,7 +123,8 @@ def run_http(a: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
         neg = completion(d_url, a.model, a_prompt, max_tokens, forged)
         negative = {"tokens": neg["choices"][0].get("token_ids"), "ref": records[-1]["ref"],
                     "finish_reason": neg["choices"][0].get("finish_reason")}  # fmt: skip
-        return {"init_s": round(init_s, 1), "records": records, "negative": negative}
+        auth = side_channel_refusals(forged["kvxfer"]["address"])
+        return {"init_s": round(init_s, 1), "records": records, "negative": negative, "auth": auth}
     finally:
         for proc in reversed(procs):
             _stop(proc)

@@ -21,7 +21,14 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["CONNECTORS", "Instance", "kv_transfer_config", "make_prompts"]
+__all__ = [
+    "CONNECTORS",
+    "Instance",
+    "kv_transfer_config",
+    "make_prompts",
+    "side_channel_refusals",
+    "write_key_file",
+]
 
 CONNECTORS = ("kvxfer", "nixl")
 
@@ -43,6 +50,33 @@ def kv_transfer_config(connector: str, extra: Mapping[str, Any] | None = None) -
             "kv_connector_extra_config": dict(extra or {}),
         }
     raise ValueError(f"connector must be one of {CONNECTORS}, got {connector!r}")
+
+
+def write_key_file(directory: str) -> str:
+    """A fresh deployment key (64 hex characters) in a file only its owner may read."""
+    import secrets
+
+    path = os.path.join(directory, "kvxfer-auth.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def side_channel_refusals(address: str) -> dict[str, str]:
+    """What a keyed prefill's side channel (its first endpoint in ``address``) answers a
+    records request without a key and with another key: the error each fetch raised,
+    or "answered" if it got records."""
+    from kvxfer.transport.side_client import fetch_records
+
+    out: dict[str, str] = {}
+    for name, key in (("unkeyed", None), ("other_key", b"x" * 32)):
+        try:
+            fetch_records(address.split(",")[0], None, "", 5.0, auth_key=key)
+            out[name] = "answered"
+        except Exception as e:  # the refusal is the result
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def make_prompts(n: int, vocab: int, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:

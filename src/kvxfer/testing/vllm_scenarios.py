@@ -14,12 +14,15 @@ Scenarios:
         with A's prompt hash); B's params as they are with prompt A (computed locally);
         parallel sampling (n=2: one child reads, the other computes locally); the same
         params on a second decode engine after the prefill reused the blocks (its hold
-        check refuses the read; recomputed).
+        check refuses the read; recomputed); a push decode. Every instance is keyed
+        (``auth_key_file``); the prefill's side channel refuses a request without the
+        key and one with another key.
     tokens: a colocated reference, then each TP pair ``P-D`` over 18 prompts.
     faults: lease expiry, a prefill killed before the decode reads, a restarted
         prefill on the same port (fresh and stale params), a prefill hung then killed
         mid-load; one decode instance (pull, or push with ``--decode-extra``).
-    http: two OpenAI servers and ``examples/vllm/proxy.py`` between them.
+    http: two OpenAI servers and ``examples/vllm/proxy.py`` between them, keyed by
+        ``KVXFER_AUTH_KEY`` in their environment.
 The colocated reference of ``ci``, ``faults`` and ``http`` is the prefill instance
 serving a request without ``kv_transfer_params`` (its connector stays idle).
 """
@@ -36,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer.integrations.vllm.params import prompt_hash
-from kvxfer.testing.vllm_pd import Instance, make_prompts
+from kvxfer.testing.vllm_pd import Instance, make_prompts, side_channel_refusals, write_key_file
 
 __all__ = ["SCENARIOS", "main", "prompt_set"]
 
@@ -131,12 +134,13 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     two = make_prompts(1, VOCAB, [90], seed=13)[0]
     two_push = make_prompts(1, VOCAB, [90], seed=17)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
-    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool)
-    d = _start("decode", a, "kvxfer", "1")
-    d2 = _start("decode2", a, "kvxfer", "1", failure_policy="recompute")
+    keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all four
+    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed)
+    d = _start("decode", a, "kvxfer", "1", extra=keyed)
+    d2 = _start("decode2", a, "kvxfer", "1", failure_policy="recompute", extra=keyed)
     # push mode: the prefill WRITEs into this decode's blocks
     d3 = _start("decode3", a, "kvxfer", "1", failure_policy="recompute",
-                extra={"transfer_mode": "push"})  # fmt: skip
+                extra={"transfer_mode": "push", **keyed})  # fmt: skip
     try:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
                 "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready()}  # fmt: skip
@@ -151,6 +155,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
             "push": {"records": pushed, "log": _log_lines(d3, "KV load ended"),
                      "negative": _negative(p, d3, neg, refs[-4])},
             "push_two_engines": _two_engines(p, d, d3, two_push, refs[-1], pool),
+            "auth": side_channel_refusals(records[0]["params"]["kvxfer"]["address"]),
         }  # fmt: skip
     finally:
         p.stop()

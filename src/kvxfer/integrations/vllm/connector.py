@@ -37,6 +37,7 @@ from kvxfer.integrations.vllm.scheduler import (
 from kvxfer.integrations.vllm.worker import (
     WorkerSettings,
     WorkerSide,
+    auth_key,
     hold_slots,
     idle_wait,
     peer_list,
@@ -111,7 +112,9 @@ class KvxferConnector(KVConnectorBase_V1):
     unreachable one is retried, default 600), ``hold_slots`` (prefill side: requests
     held for decodes at once, default 65,536; past it the prefill offers no KV and the
     decode computes the prompt), ``transfer_mode`` (decode side: ``"pull"``, the default,
-    READs the prefill's blocks; ``"push"`` asks the prefill to WRITE them).
+    READs the prefill's blocks; ``"push"`` asks the prefill to WRITE them),
+    ``auth_key_file`` (a file holding the deployment key; else ``$KVXFER_AUTH_KEY``; else
+    an unauthenticated control plane; a key written into the config is refused).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -203,6 +206,7 @@ class KvxferConnector(KVConnectorBase_V1):
             idle_wait_s=idle_wait(_extra(cfg, "idle_wait_s", 0.002)),
             hold_slots=hold_slots(_extra(cfg, "hold_slots", 1 << 16)),
             transfer_mode=transfer_mode(_extra(cfg, "transfer_mode", "pull")),
+            auth_key=auth_key(_extra(cfg, "auth_key_file", None), _extra(cfg, "auth_key", None)),
         )
         self._worker = WorkerSide(settings)
         self._worker.register([kv_caches[n] for n in names])

@@ -20,20 +20,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, Transfer
 from kvxfer.engine.config import check_hold_slots, check_seconds
-from kvxfer.errors import ConfigError, KvxferError
+from kvxfer.errors import ConfigError, KvxferError, LayoutError
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
+from kvxfer.wire.auth import ENV_KEY, MIN_KEY_BYTES, load_auth_key
 
 __all__ = [
     "WorkerSettings",
     "WorkerSide",
+    "auth_key",
     "hold_slots",
     "idle_wait",
     "peer_list",
@@ -43,6 +45,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.0005  # how often an idle step polls READs in flight (no event for them)
+MAX_KEY_FILE_BYTES = 4096  # a key file longer than this is not a key file
 
 
 def peer_list(value: Any) -> tuple[str, ...]:
@@ -111,6 +114,52 @@ def transfer_mode(value: Any) -> str:
     return str(value)
 
 
+def auth_key(path: Any, inline: Any = None, env: Mapping[str, str] | None = None) -> bytes | None:
+    """The deployment key of this instance's engines (:mod:`kvxfer.wire.auth`): the
+    contents of the file named by the ``auth_key_file`` extra-config value (surrounding
+    whitespace stripped), else ``$KVXFER_AUTH_KEY`` (from ``env``, default the process
+    environment), else None: an unauthenticated control plane.
+
+    ``inline`` is the ``auth_key`` extra-config value, refused when given: vLLM logs its
+    whole configuration at start, so a key written there would be in every log. A key
+    file that other users may read is used, with a warning.
+
+    Raises:
+        ConfigError: naming the key or the variable (never printing the key) for a path
+            that is not a string, a file that cannot be read, or a key shorter than
+            ``MIN_KEY_BYTES`` bytes.
+    """
+    if inline is not None:
+        raise ConfigError(
+            "kv_connector_extra_config.auth_key is refused: vLLM logs its configuration, so "
+            "the key would be in every log; give it in a file (kv_connector_extra_config."
+            f"auth_key_file) or {ENV_KEY}"
+        )
+    if path is None:
+        try:
+            return load_auth_key(None, env)
+        except LayoutError as e:
+            raise ConfigError(f"{ENV_KEY}: {e}") from None
+    where = "kv_connector_extra_config.auth_key_file"
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{where} must be a path to a file holding the key, got {path!r}")
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode & 0o777
+            key = f.read(MAX_KEY_FILE_BYTES + 1).strip()
+    except OSError as e:
+        raise ConfigError(f"{where} {path!r}: cannot read it ({e.strerror})") from None
+    if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_FILE_BYTES:
+        raise ConfigError(
+            f"{where} {path!r}: the key must be at least {MIN_KEY_BYTES} bytes (and at most "
+            f"{MAX_KEY_FILE_BYTES}), the file holds {len(key)}"
+        )
+    if mode & 0o077:
+        log.warning("%s %s may be read by other users (mode %04o): chmod 600 it",
+                    where, path, mode)  # fmt: skip
+    return key
+
+
 @contextmanager
 def threads_on_every_cpu() -> Iterator[None]:
     """Threads started inside may run on every CPU the process may use.
@@ -158,6 +207,7 @@ class WorkerSettings:
     idle_wait_s: float = 0.002  # a step that ran no tokens waits this long for a transfer
     hold_slots: int = 1 << 16  # the producer's hold table (kvxfer.engine.holds)
     transfer_mode: str = "pull"  # decode side: "pull" (READ) or "push" (the prefill WRITEs)
+    auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
 
 
 @dataclass(slots=True)
@@ -191,7 +241,7 @@ class WorkerSide:
             return EngineConfig(
                 f"{s.engine_id}-{role}", side_channel_addr=addr, model_name=s.model_name,
                 dtype=s.dtype, kv_dtype=s.dtype, deadline_s=s.deadline_s, lease_s=s.lease_s,
-                heartbeat_s=s.heartbeat_s, hold_slots=s.hold_slots,
+                heartbeat_s=s.heartbeat_s, hold_slots=s.hold_slots, auth_key=s.auth_key,
                 # a push decode asks each prefill to contact it back at first contact
                 push_contact=role == "d" and s.transfer_mode == "push",
             )  # fmt: skip
