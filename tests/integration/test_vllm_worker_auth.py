@@ -18,6 +18,7 @@ from kvxfer.integrations.vllm.scheduler import LoadJob
 from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
 from kvxfer.testing import fill, mismatches
 from kvxfer.transport.side_client import fetch_records
+from tests.integration.vllm_worker_util import finish
 
 torch = pytest.importorskip("torch")
 
@@ -36,15 +37,6 @@ def _side(role: str, key: bytes | None) -> WorkerSide:
     prod = role == "p"
     return WorkerSide(WorkerSettings(f"auth-{role}", 0, 1, T, H, "CPU_ATTN", prod, not prod,
                                      "tiny", "float32", auth_key=key))  # fmt: skip
-
-
-def _finish(side: WorkerSide, rid: str) -> set[int]:
-    end = time.monotonic() + 20
-    while time.monotonic() < end:
-        if rid in side.finished()[1]:
-            return side.take_load_errors()
-        time.sleep(0.005)
-    raise AssertionError(f"{rid} never finished")
 
 
 def test_settings_never_show_the_key() -> None:
@@ -76,7 +68,7 @@ def test_keyed_vllm_engines_move_exact_bytes_and_refuse_the_unkeyed(
                                    T, 1, len(BLOCKS) * T, hold_ticket=lease.ticket)  # fmt: skip
             with caplog.at_level(logging.WARNING, logger="kvxfer"):
                 side.start([LoadJob(f"d-{name}", remote, BLOCKS, BLOCKS)], [])
-                errors = _finish(side, f"d-{name}")
+                errors = finish(side, f"d-{name}")
             _, d_bufs = spec_from_vllm_tensors(d_tensors[name], backend="CPU_ATTN",
                                                block_size=T, num_kv_heads=H)  # fmt: skip
             bad = mismatches(spec, d_bufs, spec, list(BLOCKS), list(BLOCKS))
@@ -88,6 +80,26 @@ def test_keyed_vllm_engines_move_exact_bytes_and_refuse_the_unkeyed(
                 (line,) = [r.getMessage() for r in caplog.records if f"d-{name}" in r.getMessage()]
                 assert "AuthError" in line, line
             caplog.clear()
+        # what vLLM's stats path gets (get_kv_connector_stats): loads by end, bytes,
+        # the first contact the keyed load waited for; the failed contacts count none
+        block_bytes = sum(t[0].numel() * t.element_size() for t in d_tensors["keyed"])
+        keyed = decodes["keyed"].take_stats()
+        assert keyed is not None
+        assert (keyed["loads_done"], keyed["load_bytes"]) == (1, len(BLOCKS) * block_bytes)
+        assert keyed["first_contacts"] == 1 and len(keyed["first_contact_s"]) == 1
+        for name in ("unkeyed", "other-key"):
+            other = decodes[name].take_stats()
+            assert other is not None
+            assert (other["loads_failed"], other["loads_done"], other["first_contacts"]) == (
+                1,
+                0,
+                0,
+            )
+        end = time.monotonic() + 5
+        while (held := prefill.take_stats()) is None and time.monotonic() < end:
+            prefill.finished()
+            time.sleep(0.01)
+        assert held is not None and held["released_read"] == 1  # the keyed decode's ReadDone
     finally:
         for side in (prefill, *decodes.values()):
             side.close()

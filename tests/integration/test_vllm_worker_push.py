@@ -17,6 +17,7 @@ from kvxfer.integrations.vllm.scheduler import LoadJob
 from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, _Load, transfer_mode
 from kvxfer.layout.presets import spec_for
 from kvxfer.testing import fill, mismatches
+from tests.integration.vllm_worker_util import finish
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,15 +34,6 @@ def _job(prod: Producer, rid: str, ticket: int) -> LoadJob:
     remote = RemotePrefill("p", rid, prod.address, (prod.generation,), BLOCKS, 16, 1,
                            48, hold_ticket=ticket)  # fmt: skip
     return LoadJob(f"d-{rid}", remote, BLOCKS, BLOCKS)
-
-
-def _finish(side: WorkerSide, rid: str) -> set[int]:
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        if rid in side.finished()[1]:
-            return side.take_load_errors()
-        time.sleep(0.005)
-    raise AssertionError(f"{rid} never finished")
 
 
 def test_transfer_mode_key() -> None:
@@ -64,7 +56,7 @@ def test_push_loads_are_written_checked_and_free_the_hold() -> None:
         lease = prod.hold("a", block_ids=list(BLOCKS))
         side.start([_job(prod, "a", lease.ticket)], [])
         assert side._loads["d-a"].transfer.op.value == "WRITE"  # type: ignore[union-attr]
-        assert _finish(side, "d-a") == set()
+        assert finish(side, "d-a") == set()
         assert mismatches(SPEC, local, SPEC, list(BLOCKS), list(BLOCKS)) == 0
         end = time.monotonic() + 5
         while prod.num_held and time.monotonic() < end:
@@ -73,7 +65,12 @@ def test_push_loads_are_written_checked_and_free_the_hold() -> None:
         # the same params again (a second engine, a retry): the hold has ended, the
         # prefill refuses to write, and the load is a failed load (vLLM recomputes)
         side.start([_job(prod, "a", lease.ticket)], [])
-        assert _finish(side, "d-a") == set(BLOCKS)
+        assert finish(side, "d-a") == set(BLOCKS)
+        stats = side.take_stats()  # what vLLM's stats path gets from this worker
+        assert stats is not None
+        assert (stats["loads_done"], stats["loads_failed"], stats["first_contacts"]) == (1, 1, 1)
+        assert stats["load_bytes"] == len(BLOCKS) * SPEC.page_bytes * SPEC.num_layers
+        assert len(stats["load_s"]) == 1 and 0 < stats["load_s"][0] < 10
 
 
 class _ReadyPeer:
@@ -90,6 +87,8 @@ class _StuckPush:
     quarantined: bool = True
     state: RequestState = RequestState.TIMEOUT
     error: Exception | None = None
+    latency_s: float = 5.0
+    num_bytes: int = 0
     peer: object = dataclasses.field(default_factory=lambda: _ReadyPeer())
 
     def poll(self) -> RequestState:
@@ -108,3 +107,5 @@ def test_a_failed_push_is_reported_only_after_its_quarantine() -> None:
     stuck.quarantined = False
     assert side.finished() == (set(), {"d-q"})
     assert side.take_load_errors() == set(BLOCKS)
+    stats = side.take_stats()
+    assert stats is not None and stats["loads_timeout"] == 1 and stats["loads_done"] == 0

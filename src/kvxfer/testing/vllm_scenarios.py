@@ -127,6 +127,19 @@ def _two_engines(p: Instance, d: Instance, d2: Instance, prompt: list[int], ref:
     return {"first": first, "second": second, "log": _log_lines(d2, "KV load ended")}
 
 
+def _released(p: Instance, n: int, timeout_s: float = 10) -> dict[str, float]:
+    """The prefill's kvxfer metrics once ``n`` holds were released by reads, or as they
+    are at ``timeout_s``. The last ReadDone may reach the prefill after the decode's
+    tokens, and vLLM carries a step's stats to its front end with the next outputs: a
+    one-token local request (no KV held) makes some."""
+    key = "vllm:kvxfer_holds_released{engine=0,reason=read}"
+    end = time.monotonic() + timeout_s
+    while (m := p.metrics()).get(key, 0) < n and time.monotonic() < end:
+        p.gen([5, 6, 7], 1)
+        time.sleep(0.1)
+    return m
+
+
 def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(4, VOCAB, [40, 70, 129, 17], seed=1)
     neg = make_prompts(1, VOCAB, [70], seed=7)[0]
@@ -135,8 +148,9 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     two_push = make_prompts(1, VOCAB, [90], seed=17)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
     keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all four
-    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed)
-    d = _start("decode", a, "kvxfer", "1", extra=keyed)
+    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed,
+               log_stats=True)  # fmt: skip
+    d = _start("decode", a, "kvxfer", "1", extra=keyed, log_stats=True)
     d2 = _start("decode2", a, "kvxfer", "1", failure_policy="recompute", extra=keyed)
     # push mode: the prefill WRITEs into this decode's blocks
     d3 = _start("decode3", a, "kvxfer", "1", failure_policy="recompute",
@@ -146,6 +160,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
                 "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready()}  # fmt: skip
         refs = _refs(p, [*prompts, neg, par, two, two_push])
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
+        metrics = {"decode": d.metrics(), "prefill": _released(p, len(records))}
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
             "init": init, "records": records, "negative": _negative(p, d, neg, refs[-4]),
@@ -156,6 +171,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
                      "negative": _negative(p, d3, neg, refs[-4])},
             "push_two_engines": _two_engines(p, d, d3, two_push, refs[-1], pool),
             "auth": side_channel_refusals(records[0]["params"]["kvxfer"]["address"]),
+            "metrics": metrics, "stats_log": _log_lines(d, "KV Transfer metrics"),
         }  # fmt: skip
     finally:
         p.stop()

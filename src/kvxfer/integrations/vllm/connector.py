@@ -28,6 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvxfer.integrations.vllm import stats
+from kvxfer.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.integrations.vllm.scheduler import (
     HoldJob,
     LoadJob,
@@ -245,6 +247,19 @@ class KvxferConnector(KVConnectorBase_V1):
         self._idle = False  # one wait per bound step
         sending, recving = self._worker.finished(idle_wait_s=wait)
         return sending or None, recving or None
+
+    def get_kv_connector_stats(self) -> KvxferConnectorStats | None:
+        data = self._worker.take_stats() if self._worker is not None else None
+        return None if data is None else KvxferConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxferConnectorStats:
+        return KvxferConnectorStats(data=stats.merge(stats.empty(), data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvxferPromMetrics:  # fmt: skip
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -30,6 +30,7 @@ from kvxfer.engine.config import check_hold_slots, check_seconds
 from kvxfer.errors import ConfigError, KvxferError, LayoutError
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
+from kvxfer.integrations.vllm.stats import StatsTally
 from kvxfer.wire.auth import ENV_KEY, MIN_KEY_BYTES, load_auth_key
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.0005  # how often an idle step polls READs in flight (no event for them)
+MAX_CONTACTS_SEEN = 4096  # peers remembered so that a first contact is counted once
 MAX_KEY_FILE_BYTES = 4096  # a key file longer than this is not a key file
 
 
@@ -215,6 +217,7 @@ class _Load:
     job: LoadJob
     transfer: Transfer | None
     error: str = ""
+    contacting: bool = False  # its producer was being contacted when it started
 
 
 class WorkerSide:
@@ -227,6 +230,8 @@ class WorkerSide:
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._unheld: dict[str, float] = {}  # hold failed to start: request -> monotonic release
+        self.stats = StatsTally()  # for vLLM's stats path (get_kv_connector_stats)
+        self._contacts_seen: dict[int, None] = {}  # id(PeerInfo) of counted first contacts
 
     def register(self, tensors: Sequence[Any]) -> None:
         """Build the engines over this rank's per-layer KV tensors (layer order)."""
@@ -316,7 +321,7 @@ class WorkerSide:
         except Exception as e:  # reported as this load's failure
             self._loads[job.request_id] = _Load(job, None, f"{type(e).__name__}: {e}")
             return
-        self._loads[job.request_id] = _Load(job, t)
+        self._loads[job.request_id] = _Load(job, t, contacting=not t.peer.ready.is_set())
 
     def finished(self, idle_wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """``(finished sending, finished receiving)`` request ids since the last call.
@@ -354,6 +359,7 @@ class WorkerSide:
         if self.producer is not None:
             for rid, reason in self.producer.pop_freed():  # only ids this worker held
                 sending.add(rid)
+                self.stats.record_release(reason.value)
                 log.debug("request %s: blocks released (%s)", rid, reason)
         recving: set[str] = set()
         for rid, load in list(self._loads.items()):
@@ -363,6 +369,7 @@ class WorkerSide:
                 continue  # quarantined: a push that did not end DONE may still land there
             del self._loads[rid]
             recving.add(rid)
+            self._count(load, state)
             if state is not RequestState.DONE:
                 e = load.transfer.error if load.transfer is not None else None
                 err = load.error or (f"{type(e).__name__}: {e}" if e is not None else "")
@@ -370,6 +377,26 @@ class WorkerSide:
                             rid, state.value, err, len(load.job.local_block_ids))  # fmt: skip
                 self._load_errors.update(load.job.local_block_ids)
         return sending, recving
+
+    def _count(self, load: _Load, state: RequestState) -> None:
+        """Tally one ended load, and the first contact it waited for (once per peer)."""
+        t = load.transfer
+        if t is None:
+            self.stats.record_load(state.value, 0.0, 0)
+            return
+        self.stats.record_load(state.value, t.latency_s, t.num_bytes)
+        peer = t.peer
+        first = load.contacting and peer.error is None and bool(peer.timings_s)
+        if first and id(peer) not in self._contacts_seen:
+            self._contacts_seen[id(peer)] = None
+            if len(self._contacts_seen) > MAX_CONTACTS_SEEN:
+                del self._contacts_seen[next(iter(self._contacts_seen))]
+            self.stats.record_contact(sum(peer.timings_s.values()))
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """What this worker counted since the last call (None: nothing), for vLLM's
+        ``get_kv_connector_stats`` (:mod:`kvxfer.integrations.vllm.stats`)."""
+        return self.stats.take()
 
     def _wait_a_little(self, seconds: float) -> bool:
         """Sleep up to ``seconds`` on whatever is in flight (False: nothing is)."""
