@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def start_server(model: str, port: int, cpus: str, log_path: str,
            "--max-model-len", "1024", "--max-num-seqs", "8", "--seed", "0",
            "--kv-transfer-config", json.dumps(kv_transfer_config("kvxfer"))]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
-           **(env or {})}  # fmt: skip
+           "VLLM_LOG_STATS_INTERVAL": "1", **(env or {})}  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - handed to the child
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)  # fmt: skip
@@ -68,6 +69,35 @@ def completion(url: str, model: str, prompt: Sequence[int], max_tokens: int,
     with urllib.request.urlopen(req, timeout=300) as r:
         out: dict[str, Any] = json.loads(r.read())
         return out
+
+
+def kvxfer_metrics(url: str) -> dict[str, float]:
+    """The server's ``vllm:kvxfer_*`` samples from ``/metrics``: ``name{label=value,...}``
+    (labels sorted, without ``model_name``) -> value."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:kvxfer_") or "_created" in line.split("{")[0]:
+            continue
+        name, _, rest = line.partition("{")
+        labels, _, value = rest.rpartition("}")
+        pairs = sorted(re.findall(r'(\w+)="([^"]*)"', labels))
+        key = ",".join(f"{k}={v}" for k, v in pairs if k != "model_name")
+        out[f"{name}{{{key}}}"] = float(value)
+    return out
+
+
+def _metrics_after(p_url: str, d_url: str, model: str, n: int) -> dict[str, Any]:
+    """Both servers' kvxfer metrics once the prefill counts ``n`` holds released by
+    reads (up to 10 s). vLLM carries a step's stats to its front end with the next
+    outputs: a one-token local request on the prefill (no KV held) makes some."""
+    end = time.monotonic() + 10
+    key = "vllm:kvxfer_holds_released_total{engine=0,reason=read}"
+    while (pre := kvxfer_metrics(p_url)).get(key, 0) < n and time.monotonic() < end:
+        completion(p_url, model, [5, 6, 7], 1)
+        time.sleep(0.2)
+    return {"decode": kvxfer_metrics(d_url), "prefill": pre}
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -124,7 +154,12 @@ def run_http(a: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
         negative = {"tokens": neg["choices"][0].get("token_ids"), "ref": records[-1]["ref"],
                     "finish_reason": neg["choices"][0].get("finish_reason")}  # fmt: skip
         auth = side_channel_refusals(forged["kvxfer"]["address"])
-        return {"init_s": round(init_s, 1), "records": records, "negative": negative, "auth": auth}
+        metrics = _metrics_after(p_url, d_url, a.model, len(records) + 1)
+        time.sleep(1.5)  # one more VLLM_LOG_STATS_INTERVAL: the decode logs its stats
+        with open(os.path.join(a.log_dir, "http-decode.log"), errors="replace") as f:
+            stats_log = [ln.strip()[-300:] for ln in f if "KV Transfer metrics" in ln]
+        return {"init_s": round(init_s, 1), "records": records, "negative": negative,
+                "auth": auth, "metrics": metrics, "stats_log": stats_log}  # fmt: skip
     finally:
         for proc in reversed(procs):
             _stop(proc)

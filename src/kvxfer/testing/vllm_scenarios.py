@@ -14,7 +14,9 @@ Scenarios:
         with A's prompt hash); B's params as they are with prompt A (computed locally);
         parallel sampling (n=2: one child reads, the other computes locally); the same
         params on a second decode engine after the prefill reused the blocks (its hold
-        check refuses the read; recomputed); a push decode. Every instance is keyed
+        check refuses the read; recomputed); params naming a prefill outside the
+        decode's ``allowed_prefills`` (computed locally); a push decode. Every
+        instance is keyed
         (``auth_key_file``); the prefill's side channel refuses a request without the
         key and one with another key.
     tokens: a colocated reference, then each TP pair ``P-D`` over 18 prompts.
@@ -22,7 +24,8 @@ Scenarios:
         prefill on the same port (fresh and stale params), a prefill hung then killed
         mid-load; one decode instance (pull, or push with ``--decode-extra``).
     http: two OpenAI servers and ``examples/vllm/proxy.py`` between them, keyed by
-        ``KVXFER_AUTH_KEY`` in their environment.
+        ``KVXFER_AUTH_KEY`` in their environment; the transfers in the servers'
+        ``/metrics`` and stats log lines.
 The colocated reference of ``ci``, ``faults`` and ``http`` is the prefill instance
 serving a request without ``kv_transfer_params`` (its connector stays idle).
 """
@@ -127,17 +130,14 @@ def _two_engines(p: Instance, d: Instance, d2: Instance, prompt: list[int], ref:
     return {"first": first, "second": second, "log": _log_lines(d2, "KV load ended")}
 
 
-def _released(p: Instance, n: int, timeout_s: float = 10) -> dict[str, float]:
-    """The prefill's kvxfer metrics once ``n`` holds were released by reads, or as they
-    are at ``timeout_s``. The last ReadDone may reach the prefill after the decode's
-    tokens, and vLLM carries a step's stats to its front end with the next outputs: a
-    one-token local request (no KV held) makes some."""
-    key = "vllm:kvxfer_holds_released{engine=0,reason=read}"
-    end = time.monotonic() + timeout_s
-    while (m := p.metrics()).get(key, 0) < n and time.monotonic() < end:
-        p.gen([5, 6, 7], 1)
-        time.sleep(0.1)
-    return m
+def _elsewhere(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> dict[str, Any]:
+    """Params that name a prefill outside the decode's ``allowed_prefills`` (what any
+    client of vLLM's API can send): the decode computes the prompt locally and never
+    contacts that address."""
+    params = p.gen(prompt, 1, PREFILL)["kv_transfer_params"]
+    forged = {**params, "kvxfer": {**params["kvxfer"], "address": "tcp://192.0.2.7:5700"}}
+    rec = _pd(p, d, prompt, ref, params=forged)
+    return {**rec, "log": _log_lines(d, "192.0.2.7")}
 
 
 def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
@@ -146,11 +146,12 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     par = make_prompts(1, VOCAB, [100], seed=5)[0]
     two = make_prompts(1, VOCAB, [90], seed=13)[0]
     two_push = make_prompts(1, VOCAB, [90], seed=17)[0]
+    elsewhere = make_prompts(1, VOCAB, [60], seed=23)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
     keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all four
-    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed,
-               log_stats=True)  # fmt: skip
-    d = _start("decode", a, "kvxfer", "1", extra=keyed, log_stats=True)
+    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed)
+    # the decode may contact prefills on this host only (the prefill binds 127.0.0.1)
+    d = _start("decode", a, "kvxfer", "1", extra={**keyed, "allowed_prefills": ["127.0.0.1"]})
     d2 = _start("decode2", a, "kvxfer", "1", failure_policy="recompute", extra=keyed)
     # push mode: the prefill WRITEs into this decode's blocks
     d3 = _start("decode3", a, "kvxfer", "1", failure_policy="recompute",
@@ -158,20 +159,19 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     try:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
                 "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready()}  # fmt: skip
-        refs = _refs(p, [*prompts, neg, par, two, two_push])
+        refs = _refs(p, [*prompts, neg, par, two, two_push, elsewhere])
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
-        metrics = {"decode": d.metrics(), "prefill": _released(p, len(records))}
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
-            "init": init, "records": records, "negative": _negative(p, d, neg, refs[-4]),
-            "parallel": _parallel(p, d, par, refs[-3]),
+            "init": init, "records": records, "negative": _negative(p, d, neg, refs[-5]),
+            "parallel": _parallel(p, d, par, refs[-4]),
             "log": _log_lines(d, "already took it", "made for another prompt"),
-            "two_engines": _two_engines(p, d, d2, two, refs[-2], pool),
+            "two_engines": _two_engines(p, d, d2, two, refs[-3], pool),
+            "elsewhere": _elsewhere(p, d, elsewhere, refs[-1]),
             "push": {"records": pushed, "log": _log_lines(d3, "KV load ended"),
-                     "negative": _negative(p, d3, neg, refs[-4])},
-            "push_two_engines": _two_engines(p, d, d3, two_push, refs[-1], pool),
+                     "negative": _negative(p, d3, neg, refs[-5])},
+            "push_two_engines": _two_engines(p, d, d3, two_push, refs[-2], pool),
             "auth": side_channel_refusals(records[0]["params"]["kvxfer"]["address"]),
-            "metrics": metrics, "stats_log": _log_lines(d, "KV Transfer metrics"),
         }  # fmt: skip
     finally:
         p.stop()

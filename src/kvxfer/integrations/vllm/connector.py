@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvxfer.integrations.vllm import stats
+from kvxfer.integrations.vllm.allow import allowed_prefills
 from kvxfer.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.integrations.vllm.scheduler import (
     HoldJob,
@@ -116,7 +117,10 @@ class KvxferConnector(KVConnectorBase_V1):
     decode computes the prompt), ``transfer_mode`` (decode side: ``"pull"``, the default,
     READs the prefill's blocks; ``"push"`` asks the prefill to WRITE them),
     ``auth_key_file`` (a file holding the deployment key; else ``$KVXFER_AUTH_KEY``; else
-    an unauthenticated control plane; a key written into the config is refused).
+    an unauthenticated control plane; a key written into the config is refused),
+    ``allowed_prefills`` (decode side: the prefills its requests' params may name, as
+    hosts, ``host:port``, networks or ``ipc://`` endpoints; params naming another are
+    computed locally; default: any).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -134,6 +138,7 @@ class KvxferConnector(KVConnectorBase_V1):
                 engine_id=self._engine_id, block_size=self._block_size, tp_size=self._tp_size,
                 is_producer=kv.is_kv_producer, is_consumer=kv.is_kv_consumer,
                 lease_s=float(_extra(vllm_config, "lease_s", 120.0)),
+                allowed=allowed_prefills(_extra(vllm_config, "allowed_prefills", None)),
             )  # fmt: skip
 
     # ---------------------------------------------------------------- scheduler side
@@ -203,7 +208,10 @@ class KvxferConnector(KVConnectorBase_V1):
             deadline_s=float(_extra(cfg, "deadline_s", 30.0)),
             lease_s=float(_extra(cfg, "lease_s", 120.0)),
             heartbeat_s=float(_extra(cfg, "heartbeat_s", 1.0)),
-            prefill_peers=peer_list(_extra(cfg, "prefill_peers", [])),
+            prefill_peers=peer_list(
+                _extra(cfg, "prefill_peers", []),
+                allowed_prefills(_extra(cfg, "allowed_prefills", None)),
+            ),
             preconnect_s=float(_extra(cfg, "preconnect_s", 600.0)),
             idle_wait_s=idle_wait(_extra(cfg, "idle_wait_s", 0.002)),
             hold_slots=hold_slots(_extra(cfg, "hold_slots", 1 << 16)),

@@ -41,6 +41,7 @@ from typing import Any
 
 from kvxfer.engine.holds import TicketBook
 from kvxfer.errors import KvxferError
+from kvxfer.integrations.vllm.allow import Allowed, refuse_address
 from kvxfer.integrations.vllm.params import (
     RemotePrefill,
     compose_params,
@@ -132,8 +133,10 @@ class SchedulerSide:
         is_producer: bool,
         is_consumer: bool,
         lease_s: float = 120.0,
+        allowed: tuple[Allowed, ...] | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.allowed = allowed  # decode: the prefills it may contact (None: any)
         self.block_size = block_size
         self.tp_size = tp_size
         self.is_producer = is_producer
@@ -198,6 +201,8 @@ class SchedulerSide:
 
     def _refusal(self, request_id: str, prompt: Sequence[int] | None, remote: RemotePrefill) -> str:
         """Why ``request_id`` may not read ``remote`` ("" if it may)."""
+        if why := refuse_address(remote.address, self.allowed):
+            return why  # first: nothing else about a prefill we may not contact matters
         if remote.block_size != self.block_size:
             return f"prefill block size {remote.block_size} != {self.block_size} here"
         now = time.time()

@@ -28,6 +28,7 @@ from typing import Any
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, Transfer
 from kvxfer.engine.config import check_hold_slots, check_seconds
 from kvxfer.errors import ConfigError, KvxferError, LayoutError
+from kvxfer.integrations.vllm.allow import Allowed, refuse_address
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
 from kvxfer.integrations.vllm.stats import StatsTally
@@ -50,12 +51,14 @@ MAX_CONTACTS_SEEN = 4096  # peers remembered so that a first contact is counted 
 MAX_KEY_FILE_BYTES = 4096  # a key file longer than this is not a key file
 
 
-def peer_list(value: Any) -> tuple[str, ...]:
+def peer_list(value: Any, allowed: tuple[Allowed, ...] | None = None) -> tuple[str, ...]:
     """The ``prefill_peers`` extra-config value: a JSON list of producer addresses (each
-    as the prefill publishes it: its ranks' endpoints, comma-separated).
+    as the prefill publishes it: its ranks' endpoints, comma-separated), each in
+    ``allowed`` (the ``allowed_prefills`` list; None: any).
 
     Raises:
-        ConfigError: naming the key, for anything but a list of non-empty strings.
+        ConfigError: naming the key, for anything but a list of non-empty strings, or
+            an address ``allowed`` refuses.
     """
     if isinstance(value, str) or not isinstance(value, list | tuple):
         raise ConfigError(
@@ -66,6 +69,9 @@ def peer_list(value: Any) -> tuple[str, ...]:
         raise ConfigError(
             f"kv_connector_extra_config.prefill_peers: not all non-empty strings: {value!r}"
         )
+    for address in value:
+        if why := refuse_address(address, allowed):
+            raise ConfigError(f"kv_connector_extra_config.prefill_peers: {address}: {why}")
     return tuple(value)
 
 
