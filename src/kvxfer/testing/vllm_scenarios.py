@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer.integrations.vllm.params import prompt_hash
+from kvxfer.testing.ports import free_port
 from kvxfer.testing.vllm_pd import Instance, make_prompts, side_channel_refusals, write_key_file
 
 __all__ = ["SCENARIOS", "main", "prompt_set"]
@@ -245,7 +246,7 @@ def scenario_faults(a: argparse.Namespace) -> dict[str, Any]:
     The decode starts first and lists the prefill's address in ``prefill_peers``: it
     keeps trying until prefill #1 is up, and its first request finds the peer contacted.
     """
-    port = a.port or _free_port()
+    port = a.port or free_port()
     extra = {"side_channel_port": port, "lease_s": a.lease_s}
     popts: dict[str, Any] = {"extra": extra, "num_gpu_blocks_override": 256}
     prompts = make_prompts(7, VOCAB, [70, 100, 65, 129, 96, 40, 250], seed=3)
@@ -309,18 +310,10 @@ def _log_lines(inst: Instance, *keys: str) -> list[str]:
         return [ln.strip()[-300:] for ln in f if any(k in ln for k in keys)]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def scenario_http(a: argparse.Namespace) -> dict[str, Any]:
     from kvxfer.testing.vllm_http import run_http
 
-    return run_http(a, prompt_set()[:6], MAX_TOKENS, _free_port)
+    return run_http(a, prompt_set()[:6], MAX_TOKENS, free_port)
 
 
 SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
