@@ -115,6 +115,9 @@ class EngineConfig:
         push_contact: a consumer that will push: at first contact it asks each producer
             to contact it back at once, so the first push does not pay the producer's
             contact (fetching this engine's records) on its path.
+        max_contacts: first contacts a consumer runs at once (one thread each); more new
+            producers wait in a bounded queue (:mod:`kvxfer.engine.contact`), so a flood
+            of requests naming unknown addresses costs bounded threads and sockets.
     """
 
     engine_id: str
@@ -135,6 +138,7 @@ class EngineConfig:
     auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
     hold_slots: int = 1 << 16
     push_contact: bool = False
+    max_contacts: int = 16
 
     def check(self) -> None:
         """Raise ConfigError naming the first setting that is not a valid number."""
@@ -142,6 +146,9 @@ class EngineConfig:
             check_seconds(name, getattr(self, name))
         check_seconds("lease_margin_s", self.lease_margin_s, allow_zero=True)
         check_hold_slots("hold_slots", self.hold_slots)
+        m = self.max_contacts
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"max_contacts must be an int >= 1, got {m!r}")
 
     @property
     def run_blocks(self) -> int:

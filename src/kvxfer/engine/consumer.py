@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import numpy.typing as npt
@@ -71,6 +72,8 @@ class Consumer(FirstContact):
         self._lock = threading.Lock()
         self._peers: dict[str, PeerInfo] = {}
         self._watched: dict[str, tuple[float, float]] = {}
+        self._contacting = 0
+        self._contact_queue: deque[PeerInfo] = deque()
         self._stats = StatsRecorder()
         self.ranks: dict[int, RankCache] = {}
         try:

@@ -1,4 +1,5 @@
-"""First contact of a consumer with producers (a background thread per new producer),
+"""First contact of a consumer with producers (background threads, at most
+``EngineConfig.max_contacts``; more new producers wait in a bounded queue),
 peer drops, and the refetch that checks a request's generation pin (issue 9 item 10).
 
 :class:`FirstContact` is the part of :class:`~kvxfer.engine.consumer.Consumer` that
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import NoReturn
@@ -33,6 +35,9 @@ __all__ = ["FirstContact"]
 
 log = logging.getLogger(__name__)
 
+MAX_QUEUED_CONTACTS = 1024  # new producers waiting for a first contact; past it: failed
+QUEUE_GRACE_S = 1.0  # a queued producer asked for this recently is contacted, waiter or not
+
 
 class FirstContact:
     """Peers of a consumer: contact, drop, recheck. Thread-safe (see Consumer)."""
@@ -45,6 +50,8 @@ class FirstContact:
     _engine_lock: threading.RLock  # NIXL calls and peer bookkeeping
     _peers: dict[str, PeerInfo]
     _watched: dict[str, tuple[float, float]]  # preconnect addresses (under _lock)
+    _contacting: int  # first-contact threads running (under _lock)
+    _contact_queue: deque[PeerInfo]  # new producers waiting for one of them (under _lock)
     _monitor: PeerMonitor
     _inbox: Inbox
     generation: int
@@ -127,14 +134,69 @@ class FirstContact:
                 time.sleep(min(0.1, interval_s))
 
     def _peer(self, address: str) -> PeerInfo:
+        """The producer at ``address``: known, or new and contacted by one of at most
+        ``config.max_contacts`` threads. A new one past that waits in a queue of
+        ``MAX_QUEUED_CONTACTS``; past that, it comes back failed (not remembered)."""
         with self._lock:
             peer = self._peers.get(address)
-            if peer is None:
-                peer = self._peers[address] = PeerInfo(address)
-                threading.Thread(
-                    target=self._handshake, args=(peer,), name="kvxfer-handshake", daemon=True
-                ).start()
-            return peer
+            if peer is not None:
+                peer.wanted_at = time.monotonic()
+                return peer
+            peer = PeerInfo(address, wanted_at=time.monotonic())
+            start = self._contacting < self.config.max_contacts
+            if start:
+                self._contacting += 1
+            elif len(self._contact_queue) < MAX_QUEUED_CONTACTS:
+                peer.enter("queued")
+                self._contact_queue.append(peer)
+            else:
+                peer.error = PeerLostError(
+                    f"{address}: not contacted: {len(self._contact_queue)} first contacts are "
+                    f"waiting behind {self.config.max_contacts} in flight (max_contacts)"
+                )
+                peer.ready.set()
+                return peer
+            self._peers[address] = peer
+        if start:
+            threading.Thread(
+                target=self._contact_loop, args=(peer,), name="kvxfer-handshake", daemon=True
+            ).start()
+        return peer
+
+    def _contact_loop(self, peer: PeerInfo | None) -> None:
+        """One first-contact thread: ``peer``, then queued producers until none is left."""
+        try:
+            while peer is not None:
+                self._handshake(peer)
+                peer = self._next_queued()
+        except BaseException:  # pragma: no cover - _handshake catches; keep the count right
+            with self._lock:
+                self._contacting -= 1
+            raise
+
+    def _next_queued(self) -> PeerInfo | None:
+        """The next queued producer a request still waits for (None: this thread ends).
+        Queued producers nobody waits for any more (their requests ended; none asked in
+        ``QUEUE_GRACE_S``) are dropped, failed, without a contact."""
+        waited = {id(t.peer) for t in self._inbox.live() if not t.state.is_terminal}
+        dropped = []
+        with self._lock:
+            while self._contact_queue and not self._closed:
+                peer = self._contact_queue.popleft()
+                recent = time.monotonic() - peer.wanted_at < QUEUE_GRACE_S
+                if id(peer) in waited or recent:
+                    return peer
+                dropped.append(peer)
+                if self._peers.get(peer.address) is peer:
+                    del self._peers[peer.address]
+            self._contacting -= 1
+        for peer in dropped:
+            peer.error = PeerLostError(f"{peer.address}: not contacted: no request waits for it")
+            peer.ready.set()
+        if dropped:
+            log.info("first contact: %d queued producer(s) dropped: no request waits for them",
+                     len(dropped))  # fmt: skip
+        return None
 
     def _fetch_records(self, peer: PeerInfo) -> dict[str, list[LayoutRecord]]:
         """Every rank's record from each of the peer's endpoints (this engine's hash, timeout

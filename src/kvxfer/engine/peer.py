@@ -47,6 +47,7 @@ class PeerInfo:
     num_descriptors: int = 0
     phase: str = "fetch"
     phase_at: float = field(default_factory=time.perf_counter)
+    wanted_at: float = 0.0  # monotonic: when a request last asked for it (while queued)
 
     def enter(self, phase: str) -> None:
         """The handshake thread starts ``phase`` of first contact."""
