@@ -16,9 +16,8 @@ Scenarios:
         params on a second decode engine after the prefill reused the blocks (its hold
         check refuses the read; recomputed); params naming a prefill outside the
         decode's ``allowed_prefills`` (computed locally); a push decode. Every
-        instance is keyed
-        (``auth_key_file``); the prefill's side channel refuses a request without the
-        key and one with another key.
+        instance is keyed (``auth_key_file``); the prefill's side channel refuses a
+        request without the key and one with another key.
     tokens: a colocated reference, then each TP pair ``P-D`` over 18 prompts.
     faults: lease expiry, a prefill killed before the decode reads, a restarted
         prefill on the same port (fresh and stale params), a prefill hung then killed
@@ -161,17 +160,19 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
                 "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready()}  # fmt: skip
         refs = _refs(p, [*prompts, neg, par, two, two_push, elsewhere])
+        ref = dict(zip(("neg", "par", "two", "two_push", "elsewhere"), refs[len(prompts):],
+                       strict=True))  # fmt: skip
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
-            "init": init, "records": records, "negative": _negative(p, d, neg, refs[-5]),
-            "parallel": _parallel(p, d, par, refs[-4]),
+            "init": init, "records": records, "negative": _negative(p, d, neg, ref["neg"]),
+            "parallel": _parallel(p, d, par, ref["par"]),
             "log": _log_lines(d, "already took it", "made for another prompt"),
-            "two_engines": _two_engines(p, d, d2, two, refs[-3], pool),
-            "elsewhere": _elsewhere(p, d, elsewhere, refs[-1]),
+            "two_engines": _two_engines(p, d, d2, two, ref["two"], pool),
+            "elsewhere": _elsewhere(p, d, elsewhere, ref["elsewhere"]),
             "push": {"records": pushed, "log": _log_lines(d3, "KV load ended"),
-                     "negative": _negative(p, d3, neg, refs[-5])},
-            "push_two_engines": _two_engines(p, d, d3, two_push, refs[-2], pool),
+                     "negative": _negative(p, d3, neg, ref["neg"])},
+            "push_two_engines": _two_engines(p, d, d3, two_push, ref["two_push"], pool),
             "auth": side_channel_refusals(records[0]["params"]["kvxfer"]["address"]),
         }  # fmt: skip
     finally:

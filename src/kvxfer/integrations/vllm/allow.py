@@ -102,15 +102,13 @@ def allowed_prefills(value: Any) -> tuple[Allowed, ...] | None:
     return tuple(_entry(v) for v in value)
 
 
-def _allows(entry: Allowed, endpoint: str) -> bool:
+def _allows(entry: Allowed, endpoint: str, host_port: tuple[str, int | None] | None) -> bool:
+    """``host_port``: ``endpoint``'s host and port if it is a ``tcp://`` endpoint."""
     if entry.exact:
         return endpoint == entry.exact
-    if not endpoint.startswith("tcp://"):
+    if host_port is None:
         return False
-    hp = _host_port(endpoint[len("tcp://") :], port_required=True)
-    if hp is None:
-        return False
-    host, port = hp
+    host, port = host_port
     if entry.port is not None and port != entry.port:
         return False
     if entry.net is not None:
@@ -127,6 +125,11 @@ def refuse_address(address: str, allowed: tuple[Allowed, ...] | None) -> str:
     if allowed is None:
         return ""
     for endpoint in (e.strip() for e in address.split(",")):
-        if not any(_allows(a, endpoint) for a in allowed):
+        hp = (
+            _host_port(endpoint[len("tcp://") :], port_required=True)
+            if endpoint.startswith("tcp://")
+            else None
+        )
+        if not any(_allows(a, endpoint, hp) for a in allowed):
             return f"its prefill endpoint {endpoint} is not in allowed_prefills"
     return ""

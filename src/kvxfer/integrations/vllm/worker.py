@@ -237,7 +237,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._unheld: dict[str, float] = {}  # hold failed to start: request -> monotonic release
         self.stats = StatsTally()  # for vLLM's stats path (get_kv_connector_stats)
-        self._contacts_seen: dict[int, None] = {}  # id(PeerInfo) of counted first contacts
+        # counted first contacts, by (address, when the contact ended): a peer's id could
+        # be reused by the next incarnation's PeerInfo once a dropped one is collected
+        self._contacts_seen: dict[tuple[str, float], None] = {}
 
     def register(self, tensors: Sequence[Any]) -> None:
         """Build the engines over this rank's per-layer KV tensors (layer order)."""
@@ -392,9 +394,11 @@ class WorkerSide:
             return
         self.stats.record_load(state.value, t.latency_s, t.num_bytes)
         peer = t.peer
-        first = load.contacting and peer.error is None and bool(peer.timings_s)
-        if first and id(peer) not in self._contacts_seen:
-            self._contacts_seen[id(peer)] = None
+        if not (load.contacting and peer.error is None and peer.timings_s):
+            return
+        key = (peer.address, peer.phase_at)  # phase_at: when it entered "ready"
+        if key not in self._contacts_seen:
+            self._contacts_seen[key] = None
             if len(self._contacts_seen) > MAX_CONTACTS_SEEN:
                 del self._contacts_seen[next(iter(self._contacts_seen))]
             self.stats.record_contact(sum(peer.timings_s.values()))
