@@ -247,6 +247,7 @@ def make_consumer(
     deadline_s: float = 30.0,
     handshake_timeout_s: float = 5.0,
     heartbeat_s: float = 1.0,
+    silence_s: float = 0.0,
     side_channel_addr: str = "tcp://127.0.0.1:0",
     auth_key: bytes | None = None,
 ) -> tuple[Any, list[tuple[LayoutSpec, list[Any]]]]:
@@ -263,6 +264,7 @@ def make_consumer(
         deadline_s=deadline_s,
         handshake_timeout_s=handshake_timeout_s,
         heartbeat_s=heartbeat_s,
+        silence_s=silence_s,
         side_channel_addr=side_channel_addr,
         auth_key=auth_key,
     )

@@ -97,6 +97,26 @@ def test_silence_drops_the_peer_but_proves_nothing(calls, silent: str) -> None: 
     assert c.gone == []  # a stopped process may still write: no proof
 
 
+def test_silence_waits_silence_s_before_its_verdict(silent: str) -> None:
+    """Misses alone (2 here, about 0.3 s) are not enough: the endpoint must also have been
+    silent ``silence_s`` since it was watched (or last answered)."""
+    c = Calls()
+    mon = PeerMonitor(H, INTERVAL_S, c.on_lost, max_misses=2, silence_s=1.0)
+    try:
+        t0 = time.monotonic()
+        mon.watch("p", {silent: {5}})
+        time.sleep(0.7)
+        assert c.lost == []
+        assert _until(lambda: bool(c.lost))
+        took = time.monotonic() - t0
+        assert 1.0 <= took < 2.5, took
+        ((key, reason, gens),) = c.lost
+        assert key == "p" and gens == {5}, c.lost
+        assert "no heartbeat reply" in reason and "s without an answer" in reason, reason
+    finally:
+        mon.close()
+
+
 def test_a_restart_proves_the_old_generation_gone(calls, server: SideChannelServer) -> None:  # type: ignore[no-untyped-def]
     c, mon = calls
     mon.watch("p", {server.address: {7}})  # the server runs generation 1 now

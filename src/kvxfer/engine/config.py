@@ -98,6 +98,11 @@ class EngineConfig:
         handshake_timeout_s: side-channel fetch timeout.
         strided: prepare strided (N, 5) lists; False forces the dense (N, 3) fallback.
         heartbeat_s: interval of consumer lease renewals / liveness checks.
+        silence_s: how long a producer may leave heartbeats unanswered before the
+            consumer drops it and its loads end PEER_LOST (and at least 3 probes in a
+            row); a live producer on a busy host can be silent for seconds. A dead one
+            is dropped at its first probe (refused connection, new generation). 0: the
+            3 unanswered probes alone (see :mod:`kvxfer.engine.liveness`).
         advertise_addr: the side-channel endpoint peers should dial (default: the bound
             one); set it when binding a wildcard such as ``tcp://0.0.0.0:5601``.
         backend_params: extra NIXL UCX backend parameters (UCX also reads ``UCX_*``
@@ -131,6 +136,7 @@ class EngineConfig:
     handshake_timeout_s: float = 5.0
     strided: bool = True
     heartbeat_s: float = 1.0
+    silence_s: float = 10.0
     advertise_addr: str | None = None
     backend_params: tuple[tuple[str, str], ...] = ()
     lease_margin_s: float = 0.5
@@ -145,6 +151,7 @@ class EngineConfig:
         for name in ("deadline_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):
             check_seconds(name, getattr(self, name))
         check_seconds("lease_margin_s", self.lease_margin_s, allow_zero=True)
+        check_seconds("silence_s", self.silence_s, allow_zero=True)
         check_hold_slots("hold_slots", self.hold_slots)
         m = self.max_contacts
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:

@@ -109,6 +109,7 @@ class Consumer(FirstContact):
             self._on_peer_lost,
             auth_key=config.auth_key,
             on_gone=self._inbox.settle_generations,
+            silence_s=config.silence_s,
         )
         self._warm_up()
 

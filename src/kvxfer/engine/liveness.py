@@ -5,7 +5,15 @@ NIXL reports a dead peer only when a transfer touches it. :class:`PeerMonitor` p
 each known producer's side channel every ``interval_s``: a reply with another
 generation means the producer restarted; a refused connection means nothing listens
 there any more (the process exited or closed its side channel); ``max_misses``
-unanswered probes in a row mean it is gone or unreachable. Each verdict calls
+unanswered probes in a row, over at least ``silence_s`` seconds without an answer, mean
+it is gone or unreachable. A live producer can be silent for seconds: starved of CPU on
+a busy host (measured here: a vLLM prefill sharing 2 cores with three decodes went 2.7 s
+without serving its side channel during a first load), in a long GC or swap pause, or
+while its container is throttled; three misses of a 1 s heartbeat dropped such live
+producers, and every load waiting on them failed. ``silence_s`` is that tolerance: it
+costs a hung producer's loads that much more time before they end PEER_LOST (still
+bounded by their deadline), and nothing for dead ones, whose refused connection or new
+generation is a verdict at the first probe. Each verdict calls
 ``on_lost(address, reason, generations)`` once (``generations``: what the verdict was
 about, so a peer re-handshaken meanwhile, with other generations, is not dropped by a
 verdict about its predecessor), and the consumer drops the peer (its agents, lists and
@@ -76,6 +84,7 @@ class PeerMonitor:
         on_lost: called with ``(address, reason, generations)`` when a peer died or
             restarted (``generations``: the ones that were watched).
         max_misses: unanswered probes in a row before a peer counts as dead.
+        silence_s: and the least time without an answer from it (0: misses alone).
         on_gone: called with generations proven ended (their process exited or was
             replaced), from heartbeats and end watches alike.
 
@@ -92,6 +101,7 @@ class PeerMonitor:
         max_misses: int = 3,
         auth_key: bytes | None = None,
         on_gone: Callable[[set[int]], object] | None = None,
+        silence_s: float = 0.0,
     ) -> None:
         self._hash = compat_hash
         self._auth_key = auth_key
@@ -99,8 +109,10 @@ class PeerMonitor:
         self._on_lost = on_lost
         self._on_gone = on_gone
         self._max_misses = max_misses
-        # peer key -> endpoint -> (generations served there, consecutive misses)
-        self._peers: dict[str, dict[str, tuple[set[int], int]]] = {}
+        self._silence_s = silence_s
+        # peer key -> endpoint -> (generations served there, consecutive misses,
+        # monotonic time of its last answer, or of the watch's start)
+        self._peers: dict[str, dict[str, tuple[set[int], int, float]]] = {}
         # end watches: endpoint -> (generations not yet proven ended, monotonic give-up)
         self._ending: dict[str, tuple[set[int], float]] = {}
         self._lock = threading.Lock()
@@ -111,7 +123,8 @@ class PeerMonitor:
     def watch(self, key: str, generations: dict[str, set[int]]) -> None:
         """Start (or restart) watching peer ``key``: per endpoint, the generations it serves."""
         with self._lock:
-            self._peers[key] = {ep: (set(g), 0) for ep, g in generations.items()}
+            now = time.monotonic()
+            self._peers[key] = {ep: (set(g), 0, now) for ep, g in generations.items()}
 
     def forget(self, key: str) -> None:
         with self._lock:
@@ -141,19 +154,19 @@ class PeerMonitor:
                 self._heartbeat(key, endpoints)
             self._watch_ends()
 
-    def _heartbeat(self, key: str, endpoints: dict[str, tuple[set[int], int]]) -> None:
-        watched = {g for gens, _ in endpoints.values() for g in gens}
-        for ep, (gens, misses) in endpoints.items():
+    def _heartbeat(self, key: str, endpoints: dict[str, tuple[set[int], int, float]]) -> None:
+        watched = {g for gens, _, _ in endpoints.values() for g in gens}
+        for ep, (gens, misses, heard) in endpoints.items():
             gone = False
             try:
-                reason, gone = self._probe(key, ep, gens, misses)
+                reason, gone = self._probe(key, ep, gens, misses, heard)
             except Exception as e:  # the loop survives anything: a typed verdict
                 reason = f"{ep}: heartbeat failed: {type(e).__name__}: {e}"
             if reason is None:
                 continue
             with self._lock:  # forget only the watch this verdict is about
                 now = self._peers.get(key)
-                if now is not None and {g for gs, _ in now.values() for g in gs} == watched:
+                if now is not None and {g for gs, _, _ in now.values() for g in gs} == watched:
                     del self._peers[key]
             log.warning("peer %s lost: %s", key, reason)
             self._call(self._on_lost, key, reason, watched)
@@ -205,9 +218,10 @@ class PeerMonitor:
             log.exception("%s%r failed: %s", getattr(fn, "__name__", fn), args[:1], e)
 
     def _probe(
-        self, key: str, endpoint: str, gens: set[int], misses: int
+        self, key: str, endpoint: str, gens: set[int], misses: int, heard: float
     ) -> tuple[str | None, bool]:
-        """``(verdict or None, whether it proves the generations ended)``."""
+        """``(verdict or None, whether it proves the generations ended)``; ``heard``:
+        when the endpoint last answered (monotonic)."""
         try:
             recs = fetch_records(
                 endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key
@@ -217,9 +231,13 @@ class PeerMonitor:
                 return f"{endpoint}: refuses connections (its process exited)", True
             with self._lock:
                 if key in self._peers and endpoint in self._peers[key]:
-                    self._peers[key][endpoint] = (gens, misses + 1)
-            if misses + 1 >= self._max_misses:
-                return f"{endpoint}: no heartbeat reply {misses + 1} times in a row", False
+                    self._peers[key][endpoint] = (gens, misses + 1, heard)
+            silent = time.monotonic() - heard
+            if misses + 1 >= self._max_misses and silent >= self._silence_s:
+                return (
+                    f"{endpoint}: no heartbeat reply {misses + 1} times in a row "
+                    f"({silent:.1f} s without an answer)"
+                ), False
             return None, False
         except KvxferError as e:
             return f"{endpoint}: heartbeat refused: {e}", False
@@ -228,5 +246,5 @@ class PeerMonitor:
             return f"{endpoint} restarted: generation {sorted(gens)} -> {sorted(now)}", True
         with self._lock:
             if key in self._peers and endpoint in self._peers[key]:
-                self._peers[key][endpoint] = (gens, 0)
+                self._peers[key][endpoint] = (gens, 0, time.monotonic())
         return None, False

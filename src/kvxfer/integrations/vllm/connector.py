@@ -109,6 +109,8 @@ class KvxferConnector(KVConnectorBase_V1):
     (default 127.0.0.1), ``side_channel_port`` (0: ephemeral; else base port, rank
     added), ``deadline_s`` (per load, default 30), ``lease_s`` (how long a prefill
     holds blocks nobody reads, default 120), ``heartbeat_s`` (default 1),
+    ``silence_s`` (decode side: how long a prefill may leave heartbeats unanswered
+    before its loads fail, default 10),
     ``model_name`` (in the compatibility hash; default the model's ``model_type``),
     ``prefill_peers`` (decode side: producer addresses contacted at start, so the first
     request to them skips first contact; default none), ``preconnect_s`` (how long an
@@ -208,6 +210,7 @@ class KvxferConnector(KVConnectorBase_V1):
             deadline_s=float(_extra(cfg, "deadline_s", 30.0)),
             lease_s=float(_extra(cfg, "lease_s", 120.0)),
             heartbeat_s=float(_extra(cfg, "heartbeat_s", 1.0)),
+            silence_s=float(_extra(cfg, "silence_s", 10.0)),
             prefill_peers=peer_list(
                 _extra(cfg, "prefill_peers", []),
                 allowed_prefills(_extra(cfg, "allowed_prefills", None)),

@@ -210,6 +210,7 @@ class WorkerSettings:
     deadline_s: float = 30.0
     lease_s: float = 120.0
     heartbeat_s: float = 1.0
+    silence_s: float = 10.0  # a prefill silent this long (and 3 heartbeats) is dropped
     prefill_peers: tuple[str, ...] = ()  # producer addresses to contact at start
     preconnect_s: float = 600.0  # how long to keep trying an unreachable one
     idle_wait_s: float = 0.002  # a step that ran no tokens waits this long for a transfer
@@ -254,7 +255,8 @@ class WorkerSide:
             return EngineConfig(
                 f"{s.engine_id}-{role}", side_channel_addr=addr, model_name=s.model_name,
                 dtype=s.dtype, kv_dtype=s.dtype, deadline_s=s.deadline_s, lease_s=s.lease_s,
-                heartbeat_s=s.heartbeat_s, hold_slots=s.hold_slots, auth_key=s.auth_key,
+                heartbeat_s=s.heartbeat_s, silence_s=s.silence_s, hold_slots=s.hold_slots,
+                auth_key=s.auth_key,
                 # a push decode asks each prefill to contact it back at first contact
                 push_contact=role == "d" and s.transfer_mode == "push",
             )  # fmt: skip
