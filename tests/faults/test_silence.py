@@ -11,6 +11,7 @@ process, and would end DONE whatever the heartbeat said).
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
@@ -52,7 +53,8 @@ def _push_while_stopped(spawn, closing, silence_s: float, stopped_s: float):  # 
     return t, ranks, a, lids, rids
 
 
-def test_a_producer_silent_for_less_than_silence_s_is_kept(spawn, closing) -> None:  # type: ignore[no-untyped-def]
+def test_a_producer_silent_for_less_than_silence_s_is_kept(spawn, closing, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO, logger="kvxfer.engine.liveness")
     t0 = time.monotonic()
     t, ranks, a, lids, rids = _push_while_stopped(spawn, closing, SILENCE_S, STOPPED_S)
     wait_all([t], DEADLINE_S)
@@ -60,6 +62,18 @@ def test_a_producer_silent_for_less_than_silence_s_is_kept(spawn, closing) -> No
           f"{t.state.value} after {time.monotonic() - t0:.2f} s")  # fmt: skip
     assert t.state is RequestState.DONE, (t.state, t.error)
     assert verify(ranks, a.remote_spec(), lids, rids) == 0
+    # the silence that silence_s forgave is in the log: what an operator tunes it by
+    # (the heartbeat's next probe may answer after the push's completion)
+    end = time.monotonic() + 5
+    while not (
+        lines := [r.getMessage() for r in caplog.records if "answered again" in r.getMessage()]
+    ):
+        assert time.monotonic() < end, "no 'answered again' line"
+        time.sleep(0.05)
+    (line,) = lines
+    assert f"{a.address}" in line and "unanswered heartbeats" in line, line
+    silent = float(line.rsplit("(", 1)[1].split(" s ")[0])
+    assert 1.0 <= silent <= STOPPED_S + 1.0, line
 
 
 def test_a_producer_silent_past_silence_s_is_dropped_before_the_deadline(spawn, closing) -> None:  # type: ignore[no-untyped-def]

@@ -113,3 +113,21 @@ def test_params_naming_a_prefill_outside_allowed_prefills_compute_locally(
     (line,) = rec["log"]
     assert "endpoint tcp://192.0.2.7:5700 is not in allowed_prefills" in line
     assert "computing locally" in line
+
+
+def test_transfers_show_in_vllms_own_metrics(ci: dict[str, Any]) -> None:
+    # vLLM's stats path (get_kv_connector_stats -> its loggers and Prometheus): the 4
+    # loads above, their bytes (every block the prefill computed: the tiny model has 2
+    # layers, 2 KV heads of 32 float32 values, K and V: 32 KiB per 32-token block), the
+    # one first contact they waited for, and the prefill's 4 holds released by reads
+    dec, pre = ci["metrics"]["decode"], ci["metrics"]["prefill"]
+    blocks = sum(-(-r["prompt_len"] // 32) for r in ci["records"])
+    assert dec["vllm:kvxfer_loads{engine=0,outcome=done}"] == 4, dec
+    assert not any("outcome=" in k and "outcome=done" not in k for k in dec), dec
+    assert dec["vllm:kvxfer_load_seconds_count{engine=0}"] == 4, dec
+    assert dec["vllm:kvxfer_load_bytes{engine=0}"] == blocks * 32 * 2 * 2 * 2 * 32 * 4, dec
+    assert dec["vllm:kvxfer_first_contacts{engine=0}"] == 1, dec
+    assert 0 < dec["vllm:kvxfer_first_contact_seconds_sum{engine=0}"] < 5, dec
+    assert pre["vllm:kvxfer_holds_released{engine=0,reason=read}"] == 4, pre
+    assert any("KV Transfer metrics: loads=4, failed_loads=0" in ln for ln in ci["stats_log"])
+    print(f"[measure] prefill silences forgiven by silence_s: {ci['silences']}")

@@ -244,7 +244,11 @@ class PeerMonitor:
         now = {r.generation for r in recs}
         if now != gens:
             return f"{endpoint} restarted: generation {sorted(gens)} -> {sorted(now)}", True
+        now_s = time.monotonic()
         with self._lock:
             if key in self._peers and endpoint in self._peers[key]:
-                self._peers[key][endpoint] = (gens, 0, time.monotonic())
+                self._peers[key][endpoint] = (gens, 0, now_s)
+        if misses:  # what silence_s forgave: the measure an operator tunes it by
+            log.info("peer %s: %s answered again after %d unanswered heartbeats "
+                     "(%.1f s without an answer)", key, endpoint, misses, now_s - heard)  # fmt: skip
         return None, False

@@ -99,6 +99,8 @@ def _make_llm(opts: dict[str, Any]) -> Any:
         "tensor_parallel_size": opts.get("tp_size", 1),
         "seed": 0,
     }
+    if opts.get("log_stats"):  # vLLM's stats path: LLM.get_metrics(), the periodic log line
+        kw["disable_log_stats"] = False
     if opts.get("num_gpu_blocks_override"):  # a small pool: freed blocks are reused soon
         kw["num_gpu_blocks_override"] = int(opts["num_gpu_blocks_override"])
     if opts.get("connector"):
@@ -159,6 +161,24 @@ def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[s
     }  # fmt: skip
 
 
+def _metrics(llm: Any, prefix: str) -> dict[str, float]:
+    """vLLM's own metrics whose name starts with ``prefix``, as ``name{label=value,...}``
+    -> value (histograms: ``name_count`` and ``name_sum``); first logs the stats (vLLM's
+    ``KV Transfer metrics: ...`` line goes to the instance's log)."""
+    llm.llm_engine.do_log_stats()
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith(prefix):
+            continue
+        labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k != "model_name")
+        if hasattr(m, "count"):
+            out[f"{m.name}_count{{{labels}}}"] = float(m.count)
+            out[f"{m.name}_sum{{{labels}}}"] = float(m.sum)
+        elif hasattr(m, "value"):
+            out[f"{m.name}{{{labels}}}"] = float(m.value)
+    return out
+
+
 def _die_with_parent() -> None:
     """When the process that made this instance dies (a killed test or benchmark), take
     this instance's whole process group with it: vLLM's engine and worker processes would
@@ -192,6 +212,9 @@ def _child(conn: Any, opts: dict[str, Any]) -> None:
             if cmd == "stop":
                 break
             try:
+                if cmd == "metrics":
+                    conn.send(("ok", _metrics(llm, payload)))
+                    continue
                 r = _run_one(llm, payload["prompt"], payload["max_tokens"], payload.get("params"),
                              payload.get("n", 1))  # fmt: skip
                 conn.send(("ok", r))
@@ -218,7 +241,7 @@ class Instance:
         opts: more ``LLM`` settings: block_size, tp_size, max_model_len, extra
             (kv_connector_extra_config), failure_policy, num_gpu_blocks_override,
             kv_transfer_overrides (keys merged into the kv_transfer_config, e.g. another
-            connector class).
+            connector class), log_stats (vLLM's stats path on, for :meth:`metrics`).
     """
 
     def __init__(self, role: str, *, model: str, connector: str | None, cpus: str = "0",
@@ -257,6 +280,10 @@ class Instance:
         ``all_tokens``); return tokens, ttft_s, total_s, kv_transfer_params..."""
         payload = {"prompt": list(prompt), "max_tokens": max_tokens, "params": params, "n": n}
         return dict(self._ask("gen", payload, timeout_s, "request not done"))
+
+    def metrics(self, prefix: str = "vllm:kvxfer", timeout_s: float = 60) -> dict[str, float]:
+        """This instance's vLLM metrics named ``prefix...`` (it needs ``log_stats=True``)."""
+        return dict(self._ask("metrics", prefix, timeout_s, "no metrics"))
 
     def _ask(self, cmd: str, payload: Any, timeout_s: float, late: str) -> Any:
         self.conn.send((cmd, payload))

@@ -17,7 +17,8 @@ Scenarios:
         check refuses the read; recomputed); params naming a prefill outside the
         decode's ``allowed_prefills`` (computed locally); a push decode. Every
         instance is keyed (``auth_key_file``); the prefill's side channel refuses a
-        request without the key and one with another key.
+        request without the key and one with another key. The first decode's and the
+        prefill's kvxfer metrics through vLLM's own stats path (``log_stats``).
     tokens: a colocated reference, then each TP pair ``P-D`` over 18 prompts.
     faults: lease expiry, a prefill killed before the decode reads, a restarted
         prefill on the same port (fresh and stale params), a prefill hung then killed
@@ -140,6 +141,19 @@ def _elsewhere(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> d
     return {**rec, "log": _log_lines(d, "192.0.2.7")}
 
 
+def _released(p: Instance, n: int, timeout_s: float = 10) -> dict[str, float]:
+    """The prefill's kvxfer metrics once ``n`` holds were released by reads, or as they
+    are at ``timeout_s``. The last ReadDone may reach the prefill after the decode's
+    tokens, and vLLM carries a step's stats to its front end with the next outputs: a
+    one-token local request (no KV held) makes some."""
+    key = "vllm:kvxfer_holds_released{engine=0,reason=read}"
+    end = time.monotonic() + timeout_s
+    while (m := p.metrics()).get(key, 0) < n and time.monotonic() < end:
+        p.gen([5, 6, 7], 1)
+        time.sleep(0.1)
+    return m
+
+
 def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(4, VOCAB, [40, 70, 129, 17], seed=1)
     neg = make_prompts(1, VOCAB, [70], seed=7)[0]
@@ -149,9 +163,12 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     elsewhere = make_prompts(1, VOCAB, [60], seed=23)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
     keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all four
-    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed)
+    # the prefill and the first decode with vLLM's stats path on (its metrics are checked)
+    p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed,
+               log_stats=True)  # fmt: skip
     # the decode may contact prefills on this host only (the prefill binds 127.0.0.1)
-    d = _start("decode", a, "kvxfer", "1", extra={**keyed, "allowed_prefills": ["127.0.0.1"]})
+    d = _start("decode", a, "kvxfer", "1", extra={**keyed, "allowed_prefills": ["127.0.0.1"]},
+               log_stats=True)  # fmt: skip
     d2 = _start("decode2", a, "kvxfer", "1", failure_policy="recompute", extra=keyed)
     # push mode: the prefill WRITEs into this decode's blocks
     d3 = _start("decode3", a, "kvxfer", "1", failure_policy="recompute",
@@ -163,6 +180,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         ref = dict(zip(("neg", "par", "two", "two_push", "elsewhere"), refs[len(prompts):],
                        strict=True))  # fmt: skip
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
+        metrics = {"decode": d.metrics(), "prefill": _released(p, len(records))}
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
             "init": init, "records": records, "negative": _negative(p, d, neg, ref["neg"]),
@@ -174,6 +192,9 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
                      "negative": _negative(p, d3, neg, ref["neg"])},
             "push_two_engines": _two_engines(p, d, d3, two_push, ref["two_push"], pool),
             "auth": side_channel_refusals(records[0]["params"]["kvxfer"]["address"]),
+            "metrics": metrics, "stats_log": _log_lines(d, "KV Transfer metrics"),
+            # silences of the prefill that silence_s forgave (measured, not asserted)
+            "silences": [*_log_lines(d, "answered again"), *_log_lines(d3, "answered again")],
         }  # fmt: skip
     finally:
         p.stop()
