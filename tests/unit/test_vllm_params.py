@@ -277,6 +277,22 @@ def test_idle_wait_config_is_seconds_up_to_one() -> None:
             idle_wait(bad)
 
 
+def test_seconds_keys_name_the_key_for_bad_values() -> None:
+    # deadline_s, lease_s, heartbeat_s, silence_s: a bad value is refused at start with
+    # the key's name (float() alone raised "could not convert string to float: 'soon'")
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.worker import seconds
+
+    assert seconds("deadline_s", 30) == 30.0
+    assert seconds("silence_s", "12.5", allow_zero=True) == 12.5  # JSON may quote it
+    assert seconds("silence_s", 0, allow_zero=True) == 0.0
+    for bad in (-1, float("nan"), float("inf"), "soon", None, True, [1]):
+        with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.silence_s"):
+            seconds("silence_s", bad, allow_zero=True)
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.deadline_s .* > 0"):
+        seconds("deadline_s", 0)
+
+
 @pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
     reason="needs Linux thread affinity and two CPUs",

@@ -44,6 +44,7 @@ from kvxfer.integrations.vllm.worker import (
     hold_slots,
     idle_wait,
     peer_list,
+    seconds,
     transfer_mode,
 )
 
@@ -139,7 +140,7 @@ class KvxferConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 engine_id=self._engine_id, block_size=self._block_size, tp_size=self._tp_size,
                 is_producer=kv.is_kv_producer, is_consumer=kv.is_kv_consumer,
-                lease_s=float(_extra(vllm_config, "lease_s", 120.0)),
+                lease_s=seconds("lease_s", _extra(vllm_config, "lease_s", 120.0)),
                 allowed=allowed_prefills(_extra(vllm_config, "allowed_prefills", None)),
             )  # fmt: skip
 
@@ -207,10 +208,10 @@ class KvxferConnector(KVConnectorBase_V1):
             dtype=str(cfg.model_config.dtype).removeprefix("torch."),
             host=str(_extra(cfg, "side_channel_host", "127.0.0.1")),
             port=int(_extra(cfg, "side_channel_port", 0)),
-            deadline_s=float(_extra(cfg, "deadline_s", 30.0)),
-            lease_s=float(_extra(cfg, "lease_s", 120.0)),
-            heartbeat_s=float(_extra(cfg, "heartbeat_s", 1.0)),
-            silence_s=float(_extra(cfg, "silence_s", 10.0)),
+            deadline_s=seconds("deadline_s", _extra(cfg, "deadline_s", 30.0)),
+            lease_s=seconds("lease_s", _extra(cfg, "lease_s", 120.0)),
+            heartbeat_s=seconds("heartbeat_s", _extra(cfg, "heartbeat_s", 1.0)),
+            silence_s=seconds("silence_s", _extra(cfg, "silence_s", 10.0), allow_zero=True),
             prefill_peers=peer_list(
                 _extra(cfg, "prefill_peers", []),
                 allowed_prefills(_extra(cfg, "allowed_prefills", None)),

@@ -75,6 +75,22 @@ def peer_list(value: Any, allowed: tuple[Allowed, ...] | None = None) -> tuple[s
     return tuple(value)
 
 
+def seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    """The extra-config value of key ``name`` as seconds: a finite number > 0 (>= 0 with
+    ``allow_zero``). A numeric string is taken (JSON from a command line may quote it).
+
+    Raises:
+        ConfigError: naming the key, for anything else.
+    """
+    key = f"kv_connector_extra_config.{name}"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number of seconds, got {value!r}") from None
+    return check_seconds(key, value, allow_zero=allow_zero)
+
+
 def idle_wait(value: Any) -> float:
     """The ``idle_wait_s`` extra-config value: seconds (0 to 1) a step that ran no tokens
     may wait for a transfer to end (:meth:`WorkerSide.finished`); 0 turns it off. A
@@ -83,16 +99,11 @@ def idle_wait(value: Any) -> float:
     Raises:
         ConfigError: naming the key, for anything but such a number.
     """
-    key = "kv_connector_extra_config.idle_wait_s"
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"{key} must be a number of seconds, got {value!r}") from None
-    seconds = check_seconds(key, value, allow_zero=True)
-    if seconds > 1.0:
-        raise ConfigError(f"{key} must be at most 1 second, got {value!r}")
-    return seconds
+    value_s = seconds("idle_wait_s", value, allow_zero=True)
+    if value_s > 1.0:
+        raise ConfigError(f"kv_connector_extra_config.idle_wait_s must be at most 1 second, "
+                          f"got {value!r}")  # fmt: skip
+    return value_s
 
 
 def hold_slots(value: Any) -> int:
