@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvxfer.errors import AuthError
+from kvxfer.integrations.vllm.extra import ExtraConfig
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.params import RemotePrefill
 from kvxfer.integrations.vllm.scheduler import LoadJob
@@ -36,7 +37,7 @@ def _tensors() -> list[object]:
 def _side(role: str, key: bytes | None) -> WorkerSide:
     prod = role == "p"
     return WorkerSide(WorkerSettings(f"auth-{role}", 0, 1, T, H, "CPU_ATTN", prod, not prod,
-                                     "tiny", "float32", auth_key=key))  # fmt: skip
+                                     "tiny", "float32", extra=ExtraConfig(auth_key=key)))  # fmt: skip
 
 
 def test_settings_never_show_the_key() -> None:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvxfer.engine import EngineConfig, Producer, allocate_cache
+from kvxfer.integrations.vllm.extra import ExtraConfig
 from kvxfer.integrations.vllm.scheduler import HoldJob
 from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
 from kvxfer.layout.presets import spec_for
@@ -21,7 +22,17 @@ SPEC = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
 def _side(lease_s: float = 120.0) -> WorkerSide:
     return WorkerSide(
         WorkerSettings(
-            "e", 0, 1, 16, 2, "CPU_ATTN", True, True, "tiny-gqa", "float16", lease_s=lease_s
+            "e",
+            0,
+            1,
+            16,
+            2,
+            "CPU_ATTN",
+            True,
+            True,
+            "tiny-gqa",
+            "float16",
+            extra=ExtraConfig(lease_s=lease_s),
         )
     )
 

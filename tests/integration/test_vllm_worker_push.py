@@ -12,9 +12,10 @@ import pytest
 
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, allocate_cache
 from kvxfer.errors import ConfigError
+from kvxfer.integrations.vllm.extra import ExtraConfig, transfer_mode
 from kvxfer.integrations.vllm.params import RemotePrefill
 from kvxfer.integrations.vllm.scheduler import LoadJob
-from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, _Load, transfer_mode
+from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, _Load
 from kvxfer.layout.presets import spec_for
 from kvxfer.testing import fill, mismatches
 from tests.integration.vllm_worker_util import finish
@@ -27,7 +28,7 @@ BLOCKS = (3, 4, 5)
 
 def _side(mode: str) -> WorkerSide:
     return WorkerSide(WorkerSettings("e", 0, 1, 16, 2, "CPU_ATTN", False, True, "tiny-gqa",
-                                     "float16", transfer_mode=mode))  # fmt: skip
+                                     "float16", extra=ExtraConfig(transfer_mode=mode)))  # fmt: skip
 
 
 def _job(prod: Producer, rid: str, ticket: int) -> LoadJob:

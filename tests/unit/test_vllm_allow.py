@@ -86,7 +86,7 @@ def test_the_decode_computes_locally_what_names_another_prefill(
 
 
 def test_prefill_peers_outside_the_list_are_refused_at_start() -> None:
-    from kvxfer.integrations.vllm.worker import peer_list
+    from kvxfer.integrations.vllm.extra import peer_list
 
     allowed = allowed_prefills(["10.0.0.0/24"])
     assert peer_list(["tcp://10.0.0.5:5700"], allowed) == ("tcp://10.0.0.5:5700",)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvxfer.errors import ConfigError
-from kvxfer.integrations.vllm.worker import auth_key
+from kvxfer.integrations.vllm.extra import auth_key
 
 KEY = "0123456789abcdef0123456789abcdef"
 

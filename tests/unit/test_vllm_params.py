@@ -252,7 +252,7 @@ def test_prefill_does_not_offer_a_request_id_that_is_still_held() -> None:
 
 def test_prefill_peers_config_is_a_list_of_addresses() -> None:
     from kvxfer.errors import ConfigError
-    from kvxfer.integrations.vllm.worker import peer_list
+    from kvxfer.integrations.vllm.extra import peer_list
 
     both = "tcp://10.0.0.6:5700,tcp://10.0.0.6:5701"
     assert peer_list(["tcp://10.0.0.5:5700", both]) == ("tcp://10.0.0.5:5700", both)
@@ -267,7 +267,7 @@ def test_prefill_peers_config_is_a_list_of_addresses() -> None:
 
 def test_idle_wait_config_is_seconds_up_to_one() -> None:
     from kvxfer.errors import ConfigError
-    from kvxfer.integrations.vllm.worker import idle_wait
+    from kvxfer.integrations.vllm.extra import idle_wait
 
     assert idle_wait(0.002) == 0.002
     assert idle_wait(0) == 0.0  # off: every step returns at once, as vLLM's own connectors
@@ -281,7 +281,7 @@ def test_seconds_keys_name_the_key_for_bad_values() -> None:
     # deadline_s, lease_s, heartbeat_s, silence_s: a bad value is refused at start with
     # the key's name (float() alone raised "could not convert string to float: 'soon'")
     from kvxfer.errors import ConfigError
-    from kvxfer.integrations.vllm.worker import seconds
+    from kvxfer.integrations.vllm.extra import seconds
 
     assert seconds("deadline_s", 30) == 30.0
     assert seconds("silence_s", "12.5", allow_zero=True) == 12.5  # JSON may quote it
@@ -375,7 +375,7 @@ def test_prefill_without_hold_tables_offers_nothing() -> None:
 
 def test_hold_slots_config_is_a_bounded_integer() -> None:
     from kvxfer.errors import ConfigError
-    from kvxfer.integrations.vllm.worker import hold_slots
+    from kvxfer.integrations.vllm.extra import hold_slots
 
     assert hold_slots(1 << 16) == 65536
     assert hold_slots("1024") == 1024

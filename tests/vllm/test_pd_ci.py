@@ -31,6 +31,13 @@ def test_decode_tokens_equal_colocated(ci: dict[str, Any]) -> None:
         assert r["params"]["kvxfer"]["num_tokens"] == r["prompt_len"]
 
 
+def test_an_unknown_extra_config_key_stops_the_instance_naming_it(ci: dict[str, Any]) -> None:
+    bad = ci["bad_config"]
+    assert bad["started"] is False
+    want = "extra_config.deadline is not a kvxfer key; did you mean 'deadline_s'?"  # cut at 300
+    assert any(want in line for line in bad["log"]), bad["log"]
+
+
 def test_negative_control_decode_uses_transferred_kv(ci: dict[str, Any]) -> None:
     neg = ci["negative"]
     assert neg["finish_reason"] == "length"

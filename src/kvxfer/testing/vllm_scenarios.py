@@ -163,7 +163,23 @@ def _released(p: Instance, n: int, timeout_s: float = 10) -> dict[str, float]:
     return m
 
 
+def _bad_config(a: argparse.Namespace) -> dict[str, Any]:
+    """Start an instance whose extra config has a typo (``deadline`` for ``deadline_s``):
+    it must refuse to start, and its log must name the key (an unknown key used to be
+    ignored, the load running with the default deadline)."""
+    bad = _start("badconfig", a, "kvxfer", "0", extra={"deadline": 5})
+    try:
+        bad.wait_ready()
+        started = True
+    except RuntimeError:
+        started = False
+    finally:
+        bad.stop()
+    return {"started": started, "log": _log_lines(bad, "ConfigError")}
+
+
 def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
+    bad_config = _bad_config(a)  # first, alone: it fails in its workers' start-up
     prompts = make_prompts(4, VOCAB, [40, 70, 129, 17], seed=1)
     neg = make_prompts(1, VOCAB, [70], seed=7)[0]
     par = make_prompts(1, VOCAB, [100], seed=5)[0]
@@ -195,6 +211,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
             "init": init, "records": records, "negative": _negative(p, d, neg, ref["neg"]),
+            "bad_config": bad_config,
             "parallel": _parallel(p, d, par, ref["par"]),
             "log": _log_lines(d, "already took it", "made for another prompt"),
             "two_engines": _two_engines(p, d, d2, two, ref["two"], pool),

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvxfer.integrations.vllm import stats
-from kvxfer.integrations.vllm.allow import allowed_prefills
+from kvxfer.integrations.vllm.extra import parse_extra
 from kvxfer.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.integrations.vllm.scheduler import (
     HoldJob,
@@ -37,16 +37,7 @@ from kvxfer.integrations.vllm.scheduler import (
     ProducerRank,
     SchedulerSide,
 )
-from kvxfer.integrations.vllm.worker import (
-    WorkerSettings,
-    WorkerSide,
-    auth_key,
-    hold_slots,
-    idle_wait,
-    peer_list,
-    seconds,
-    transfer_mode,
-)
+from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -73,10 +64,6 @@ class KvxferHandshake(KVConnectorHandshakeMetadata):
     address: str
     generation: int
     hold_slots: int = 0
-
-
-def _extra(vllm_config: Any, key: str, default: Any) -> Any:
-    return vllm_config.kv_transfer_config.get_from_extra_config(key, default)
 
 
 def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
@@ -106,24 +93,11 @@ def _log_through_vllm() -> None:
 class KvxferConnector(KVConnectorBase_V1):
     """vLLM KV connector moving KV caches between P/D instances with kvxfer (pull or push).
 
-    Extra config keys (``kv_connector_extra_config``): ``side_channel_host``
-    (default 127.0.0.1), ``side_channel_port`` (0: ephemeral; else base port, rank
-    added), ``deadline_s`` (per load, default 30), ``lease_s`` (how long a prefill
-    holds blocks nobody reads, default 120), ``heartbeat_s`` (default 1),
-    ``silence_s`` (decode side: how long a prefill may leave heartbeats unanswered
-    before its loads fail, default 10),
-    ``model_name`` (in the compatibility hash; default the model's ``model_type``),
-    ``prefill_peers`` (decode side: producer addresses contacted at start, so the first
-    request to them skips first contact; default none), ``preconnect_s`` (how long an
-    unreachable one is retried, default 600), ``hold_slots`` (prefill side: requests
-    held for decodes at once, default 65,536; past it the prefill offers no KV and the
-    decode computes the prompt), ``transfer_mode`` (decode side: ``"pull"``, the default,
-    READs the prefill's blocks; ``"push"`` asks the prefill to WRITE them),
-    ``auth_key_file`` (a file holding the deployment key; else ``$KVXFER_AUTH_KEY``; else
-    an unauthenticated control plane; a key written into the config is refused),
-    ``allowed_prefills`` (decode side: the prefills its requests' params may name, as
-    hosts, ``host:port``, networks or ``ipc://`` endpoints; params naming another are
-    computed locally; default: any).
+    Extra config keys (``kv_connector_extra_config``): the fields of
+    :class:`~kvxfer.integrations.vllm.extra.ExtraConfig` (defaults there; docs/vllm.md
+    says what each does), read and checked once when the connector starts, in both
+    roles: a bad value or a key kvxfer does not know stops it with a ``ConfigError``
+    that names the key.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -133,6 +107,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._engine_id = str(kv.engine_id)
+        self._extra = parse_extra(kv.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._idle = False  # the bound step runs no tokens (see KvxferMetadata.idle)
@@ -140,8 +115,7 @@ class KvxferConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 engine_id=self._engine_id, block_size=self._block_size, tp_size=self._tp_size,
                 is_producer=kv.is_kv_producer, is_consumer=kv.is_kv_consumer,
-                lease_s=seconds("lease_s", _extra(vllm_config, "lease_s", 120.0)),
-                allowed=allowed_prefills(_extra(vllm_config, "allowed_prefills", None)),
+                lease_s=self._extra.lease_s, allowed=self._extra.allowed_prefills,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- scheduler side
@@ -204,23 +178,9 @@ class KvxferConnector(KVConnectorBase_V1):
             backend=_backend_name(cfg, names),
             is_producer=kv.is_kv_producer,
             is_consumer=kv.is_kv_consumer,
-            model_name=str(_extra(cfg, "model_name", cfg.model_config.hf_config.model_type)),
+            model_name=self._extra.model_name or str(cfg.model_config.hf_config.model_type),
             dtype=str(cfg.model_config.dtype).removeprefix("torch."),
-            host=str(_extra(cfg, "side_channel_host", "127.0.0.1")),
-            port=int(_extra(cfg, "side_channel_port", 0)),
-            deadline_s=seconds("deadline_s", _extra(cfg, "deadline_s", 30.0)),
-            lease_s=seconds("lease_s", _extra(cfg, "lease_s", 120.0)),
-            heartbeat_s=seconds("heartbeat_s", _extra(cfg, "heartbeat_s", 1.0)),
-            silence_s=seconds("silence_s", _extra(cfg, "silence_s", 10.0), allow_zero=True),
-            prefill_peers=peer_list(
-                _extra(cfg, "prefill_peers", []),
-                allowed_prefills(_extra(cfg, "allowed_prefills", None)),
-            ),
-            preconnect_s=float(_extra(cfg, "preconnect_s", 600.0)),
-            idle_wait_s=idle_wait(_extra(cfg, "idle_wait_s", 0.002)),
-            hold_slots=hold_slots(_extra(cfg, "hold_slots", 1 << 16)),
-            transfer_mode=transfer_mode(_extra(cfg, "transfer_mode", "pull")),
-            auth_key=auth_key(_extra(cfg, "auth_key_file", None), _extra(cfg, "auth_key", None)),
+            extra=self._extra,
         )
         self._worker = WorkerSide(settings)
         self._worker.register([kv_caches[n] for n in names])
@@ -255,7 +215,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        wait = self._worker.settings.idle_wait_s if self._idle else 0.0
+        wait = self._extra.idle_wait_s if self._idle else 0.0
         self._idle = False  # one wait per bound step
         sending, recving = self._worker.finished(idle_wait_s=wait)
         return sending or None, recving or None

@@ -20,163 +20,24 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, Transfer
-from kvxfer.engine.config import check_hold_slots, check_seconds
-from kvxfer.errors import ConfigError, KvxferError, LayoutError
-from kvxfer.integrations.vllm.allow import Allowed, refuse_address
+from kvxfer.errors import KvxferError
+from kvxfer.integrations.vllm.extra import ExtraConfig
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
 from kvxfer.integrations.vllm.stats import StatsTally
-from kvxfer.wire.auth import ENV_KEY, MIN_KEY_BYTES, load_auth_key
 
-__all__ = [
-    "WorkerSettings",
-    "WorkerSide",
-    "auth_key",
-    "hold_slots",
-    "idle_wait",
-    "peer_list",
-    "transfer_mode",
-]
+__all__ = ["WorkerSettings", "WorkerSide"]
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.0005  # how often an idle step polls READs in flight (no event for them)
 MAX_CONTACTS_SEEN = 4096  # peers remembered so that a first contact is counted once
-MAX_KEY_FILE_BYTES = 4096  # a key file longer than this is not a key file
-
-
-def peer_list(value: Any, allowed: tuple[Allowed, ...] | None = None) -> tuple[str, ...]:
-    """The ``prefill_peers`` extra-config value: a JSON list of producer addresses (each
-    as the prefill publishes it: its ranks' endpoints, comma-separated), each in
-    ``allowed`` (the ``allowed_prefills`` list; None: any).
-
-    Raises:
-        ConfigError: naming the key, for anything but a list of non-empty strings, or
-            an address ``allowed`` refuses.
-    """
-    if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise ConfigError(
-            "kv_connector_extra_config.prefill_peers must be a list of addresses such as "
-            f'["tcp://10.0.0.5:5700"], got {value!r}'
-        )
-    if not all(isinstance(a, str) and a.strip() for a in value):
-        raise ConfigError(
-            f"kv_connector_extra_config.prefill_peers: not all non-empty strings: {value!r}"
-        )
-    for address in value:
-        if why := refuse_address(address, allowed):
-            raise ConfigError(f"kv_connector_extra_config.prefill_peers: {address}: {why}")
-    return tuple(value)
-
-
-def seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    """The extra-config value of key ``name`` as seconds: a finite number > 0 (>= 0 with
-    ``allow_zero``). A numeric string is taken (JSON from a command line may quote it).
-
-    Raises:
-        ConfigError: naming the key, for anything else.
-    """
-    key = f"kv_connector_extra_config.{name}"
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"{key} must be a number of seconds, got {value!r}") from None
-    return check_seconds(key, value, allow_zero=allow_zero)
-
-
-def idle_wait(value: Any) -> float:
-    """The ``idle_wait_s`` extra-config value: seconds (0 to 1) a step that ran no tokens
-    may wait for a transfer to end (:meth:`WorkerSide.finished`); 0 turns it off. A
-    numeric string is taken, like the other keys' values.
-
-    Raises:
-        ConfigError: naming the key, for anything but such a number.
-    """
-    value_s = seconds("idle_wait_s", value, allow_zero=True)
-    if value_s > 1.0:
-        raise ConfigError(f"kv_connector_extra_config.idle_wait_s must be at most 1 second, "
-                          f"got {value!r}")  # fmt: skip
-    return value_s
-
-
-def hold_slots(value: Any) -> int:
-    """The ``hold_slots`` extra-config value: requests a prefill rank holds at once (its
-    hold table, 8 bytes a slot). A numeric string is taken.
-
-    Raises:
-        ConfigError: naming the key, for anything but an integer in [1, 2**24].
-    """
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    return check_hold_slots("kv_connector_extra_config.hold_slots", value)
-
-
-def transfer_mode(value: Any) -> str:
-    """The ``transfer_mode`` extra-config value (decode side): ``"pull"`` (the decode
-    READs the prefill's blocks) or ``"push"`` (the decode asks the prefill to WRITE
-    them into its blocks).
-
-    Raises:
-        ConfigError: naming the key, for anything else.
-    """
-    if value not in ("pull", "push"):
-        raise ConfigError(
-            f'kv_connector_extra_config.transfer_mode must be "pull" or "push", got {value!r}'
-        )
-    return str(value)
-
-
-def auth_key(path: Any, inline: Any = None, env: Mapping[str, str] | None = None) -> bytes | None:
-    """The deployment key of this instance's engines (:mod:`kvxfer.wire.auth`): the
-    contents of the file named by the ``auth_key_file`` extra-config value (surrounding
-    whitespace stripped), else ``$KVXFER_AUTH_KEY`` (from ``env``, default the process
-    environment), else None: an unauthenticated control plane.
-
-    ``inline`` is the ``auth_key`` extra-config value, refused when given: vLLM logs its
-    whole configuration at start, so a key written there would be in every log. A key
-    file that other users may read is used, with a warning.
-
-    Raises:
-        ConfigError: naming the key or the variable (never printing the key) for a path
-            that is not a string, a file that cannot be read, or a key shorter than
-            ``MIN_KEY_BYTES`` bytes.
-    """
-    if inline is not None:
-        raise ConfigError(
-            "kv_connector_extra_config.auth_key is refused: vLLM logs its configuration, so "
-            "the key would be in every log; give it in a file (kv_connector_extra_config."
-            f"auth_key_file) or {ENV_KEY}"
-        )
-    if path is None:
-        try:
-            return load_auth_key(None, env)
-        except LayoutError as e:
-            raise ConfigError(f"{ENV_KEY}: {e}") from None
-    where = "kv_connector_extra_config.auth_key_file"
-    if not isinstance(path, str) or not path.strip():
-        raise ConfigError(f"{where} must be a path to a file holding the key, got {path!r}")
-    try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode & 0o777
-            key = f.read(MAX_KEY_FILE_BYTES + 1).strip()
-    except OSError as e:
-        raise ConfigError(f"{where} {path!r}: cannot read it ({e.strerror})") from None
-    if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_FILE_BYTES:
-        raise ConfigError(
-            f"{where} {path!r}: the key must be at least {MIN_KEY_BYTES} bytes (and at most "
-            f"{MAX_KEY_FILE_BYTES}), the file holds {len(key)}"
-        )
-    if mode & 0o077:
-        log.warning("%s %s may be read by other users (mode %04o): chmod 600 it",
-                    where, path, mode)  # fmt: skip
-    return key
 
 
 @contextmanager
@@ -216,18 +77,7 @@ class WorkerSettings:
     is_consumer: bool
     model_name: str
     dtype: str
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: an ephemeral port; else port + tp_rank
-    deadline_s: float = 30.0
-    lease_s: float = 120.0
-    heartbeat_s: float = 1.0
-    silence_s: float = 10.0  # a prefill silent this long (and 3 heartbeats) is dropped
-    prefill_peers: tuple[str, ...] = ()  # producer addresses to contact at start
-    preconnect_s: float = 600.0  # how long to keep trying an unreachable one
-    idle_wait_s: float = 0.002  # a step that ran no tokens waits this long for a transfer
-    hold_slots: int = 1 << 16  # the producer's hold table (kvxfer.engine.holds)
-    transfer_mode: str = "pull"  # decode side: "pull" (READ) or "push" (the prefill WRITEs)
-    auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
+    extra: ExtraConfig = field(default_factory=ExtraConfig)  # the user's keys, checked
 
 
 @dataclass(slots=True)
@@ -255,30 +105,33 @@ class WorkerSide:
 
     def register(self, tensors: Sequence[Any]) -> None:
         """Build the engines over this rank's per-layer KV tensors (layer order)."""
-        s = self.settings
+        s, x = self.settings, self.settings.extra
         spec, bufs = spec_from_vllm_tensors(
             tensors, backend=s.backend, block_size=s.block_size, num_kv_heads=s.num_kv_heads,
             tp_rank=s.tp_rank, tp_size=s.tp_size,
         )  # fmt: skip
-        port = f"{s.port + s.tp_rank}" if s.port else "0"
+        port = f"{x.side_channel_port + s.tp_rank}" if x.side_channel_port else "0"
 
         def config(role: str, addr: str) -> EngineConfig:
             return EngineConfig(
                 f"{s.engine_id}-{role}", side_channel_addr=addr, model_name=s.model_name,
-                dtype=s.dtype, kv_dtype=s.dtype, deadline_s=s.deadline_s, lease_s=s.lease_s,
-                heartbeat_s=s.heartbeat_s, silence_s=s.silence_s, hold_slots=s.hold_slots,
-                auth_key=s.auth_key,
+                dtype=s.dtype, kv_dtype=s.dtype, deadline_s=x.deadline_s, lease_s=x.lease_s,
+                heartbeat_s=x.heartbeat_s, silence_s=x.silence_s, hold_slots=x.hold_slots,
+                auth_key=x.auth_key,
                 # a push decode asks each prefill to contact it back at first contact
-                push_contact=role == "d" and s.transfer_mode == "push",
+                push_contact=role == "d" and x.transfer_mode == "push",
             )  # fmt: skip
 
         with threads_on_every_cpu():
             if s.is_producer:
-                self.producer = Producer(config("p", f"tcp://{s.host}:{port}"), [(spec, bufs)])
+                self.producer = Producer(config("p", f"tcp://{x.side_channel_host}:{port}"),
+                                         [(spec, bufs)])  # fmt: skip
             if s.is_consumer:
-                self.consumer = Consumer(config("d", f"tcp://{s.host}:0"), [(spec, bufs)])
-                if s.prefill_peers:  # first contact now, off every request's path
-                    self.consumer.preconnect(s.prefill_peers, retry_for_s=s.preconnect_s)
+                self.consumer = Consumer(
+                    config("d", f"tcp://{x.side_channel_host}:0"), [(spec, bufs)]
+                )
+                if x.prefill_peers:  # first contact now, off every request's path
+                    self.consumer.preconnect(x.prefill_peers, retry_for_s=x.preconnect_s)
         log.info("kvxfer worker rank %d: %s, %d layers x %d blocks, producer %s",
                  s.tp_rank, spec.kind.value, spec.num_layers, spec.num_blocks,
                  self.producer.address if self.producer else "-")  # fmt: skip
@@ -312,7 +165,7 @@ class WorkerSide:
                     continue
                 log.error("request %s: could not hold its blocks (%s: %s); kept until the "
                           "lease ends", h.request_id, type(e).__name__, e)  # fmt: skip
-                self._unheld[h.request_id] = time.monotonic() + self.settings.lease_s
+                self._unheld[h.request_id] = time.monotonic() + self.settings.extra.lease_s
         loads = list(loads)
         if loads:  # a load may start a first contact's thread
             with threads_on_every_cpu():
@@ -326,17 +179,17 @@ class WorkerSide:
         r = job.remote
         local, remote = list(job.local_block_ids), list(job.remote_block_ids)
         try:
-            if self.settings.transfer_mode == "push":
+            if self.settings.extra.transfer_mode == "push":
                 t = self.consumer.push(
                     r.request_id, r.address, local_block_ids=local, remote_block_ids=remote,
-                    generation=r.generation_map, deadline_s=self.settings.deadline_s,
+                    generation=r.generation_map, deadline_s=self.settings.extra.deadline_s,
                     hold_ticket=r.hold_ticket or None,
                 )  # fmt: skip
             else:
                 lease_ns = None if r.lease_expires_at_ms is None else r.lease_expires_at_ms * 10**6
                 t = self.consumer.read(
                     r.request_id, r.address, local_block_ids=local, remote_block_ids=remote,
-                    generation=r.generation_map, deadline_s=self.settings.deadline_s,
+                    generation=r.generation_map, deadline_s=self.settings.extra.deadline_s,
                     lease_expires_at_ns=lease_ns, hold_ticket=r.hold_ticket or None,
                 )  # fmt: skip
         except Exception as e:  # reported as this load's failure
