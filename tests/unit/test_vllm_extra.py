@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvxfer.errors import ConfigError
-from kvxfer.integrations.vllm.extra import KEYS, ExtraConfig, parse_extra
+from kvxfer.integrations.vllm.extra import _CHECKS, KEYS, READ_TOGETHER, ExtraConfig, parse_extra
 from kvxfer.integrations.vllm.worker import WorkerSettings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
@@ -28,6 +28,12 @@ def test_no_keys_give_the_defaults_of_the_table() -> None:
     assert (got.transfer_mode, got.prefill_peers, got.allowed_prefills) == ("pull", (), None)
     assert (got.model_name, got.auth_key) == ("", None)
     assert parse_extra(None, env={}) == ExtraConfig()  # vLLM passes {} or nothing
+
+
+def test_every_field_of_the_table_has_its_check() -> None:
+    # a field without one would be a known key that parse_extra silently drops
+    assert set(_CHECKS) | READ_TOGETHER == {f.name for f in dataclasses.fields(ExtraConfig)}
+    assert set(_CHECKS) | READ_TOGETHER | {"auth_key_file"} == KEYS
 
 
 def test_every_key_is_parsed_and_checked() -> None:

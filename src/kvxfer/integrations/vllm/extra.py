@@ -214,7 +214,7 @@ def _secs(allow_zero: bool = False) -> Callable[[str, Any], float]:
     return lambda name, value: seconds(name, value, allow_zero=allow_zero)
 
 
-# key -> its check; prefill_peers, allowed_prefills and the key are read together below
+# key -> its check; the other keys (READ_TOGETHER) are read together in parse_extra
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "side_channel_host": _host,
     "side_channel_port": _port,
@@ -228,10 +228,9 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "hold_slots": lambda _, value: hold_slots(value),
     "transfer_mode": lambda _, value: transfer_mode(value),
 }
-KEYS: frozenset[str] = frozenset(
-    {*_CHECKS, "prefill_peers", "allowed_prefills", "auth_key_file", "auth_key"}
-)
-assert KEYS - {"auth_key_file"} == {f.name for f in fields(ExtraConfig)}
+READ_TOGETHER = frozenset({"prefill_peers", "allowed_prefills", "auth_key"})
+# every key a user may write: ExtraConfig's fields, and the file the key is read from
+KEYS: frozenset[str] = frozenset({f.name for f in fields(ExtraConfig)} | {"auth_key_file"})
 
 
 def _unknown(key: object) -> ConfigError:
