@@ -41,6 +41,9 @@ REMOTE = RemotePrefill("prefill-0", "cmpl-7", "tcp://10.0.0.5:5700,tcp://10.0.0.
         (["10.0.0.5:5700"], "tcp://10.0.0.5:5700,tcp://10.0.0.6:5700", "tcp://10.0.0.6:5700"),
         (["10.0.0.5"], "tcp://10.0.0.5", "tcp://10.0.0.5"),  # not an endpoint: refused
         (["10.0.0.5"], "tcp://10.0.0.5:x", "tcp://10.0.0.5:x"),
+        # digits str.isdigit takes but int() does not: refused, never a ValueError
+        (["10.0.0.5"], "tcp://10.0.0.5:\u00b2", "tcp://10.0.0.5:\u00b2"),
+        (["10.0.0.5"], "tcp://10.0.0.5:\u0667", "tcp://10.0.0.5:\u0667"),
     ],
 )
 def test_an_address_is_allowed_only_if_every_endpoint_matches(
@@ -59,7 +62,7 @@ def test_unset_allows_every_prefill() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["10.0.0.5", [""], [3], ["tcp://"], ["h:port"], ["10.0.0.0/33"], {}]
+    "bad", ["10.0.0.5", [""], [3], ["tcp://"], ["h:port"], ["10.0.0.0/33"], {}, ["h:\u00b2"]]
 )
 def test_a_bad_list_is_refused_by_name(bad: object) -> None:
     with pytest.raises(ConfigError, match="allowed_prefills"):
@@ -94,3 +97,25 @@ def test_prefill_peers_outside_the_list_are_refused_at_start() -> None:
         ConfigError, match=r"prefill_peers: tcp://10.0.1.5:5700: .*allowed_prefills"
     ):
         peer_list(["tcp://10.0.0.5:5700", "tcp://10.0.1.5:5700"], allowed)
+
+
+def test_a_check_that_breaks_on_client_params_computes_locally(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the params come from any client: an exception in their checks must not reach
+    # vLLM's scheduler (it would stop the engine for every user)
+    import kvxfer.integrations.vllm.scheduler as sched
+
+    def broken(address: str, allowed: object) -> str:
+        raise ValueError(f"cannot read {address}")
+
+    monkeypatch.setattr(sched, "refuse_address", broken)
+    s = SchedulerSide(engine_id="d", block_size=32, tp_size=1, is_producer=False,
+                      is_consumer=True, allowed=allowed_prefills(["10.0.0.5"]))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="kvxfer"):
+        assert s.matched_tokens("r", PROMPT, compose_params(REMOTE), 0) == (0, False)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "checking its kv_transfer_params failed" in text
+    assert "params could not be checked (ValueError)" in text and "computing locally" in text
+    s.after_alloc("r", [1, 2, 3], 0)
+    assert s.take_step().loads == []

@@ -70,6 +70,9 @@ def test_an_unknown_key_is_refused_by_name_with_the_nearest_known_one() -> None:
         ({"side_channel_port": 70000}, r"side_channel_port must be a port"),
         ({"side_channel_port": "x"}, r"side_channel_port must be a port"),
         ({"side_channel_port": True}, r"side_channel_port must be a port"),
+        ({"side_channel_port": "\u00b2"}, r"side_channel_port must be a port"),  # isdigit, not int
+        ({"side_channel_port": "\u0667"}, r"side_channel_port must be a port"),  # int() takes it
+        ({"hold_slots": "\u00b2"}, r"hold_slots must be an integer"),
         ({"side_channel_host": ""}, r"side_channel_host must be a host"),
         ({"side_channel_host": 5}, r"side_channel_host must be a host"),
         ({"model_name": ""}, r"model_name must be a non-empty string"),
@@ -126,3 +129,27 @@ def test_the_docs_table_lists_every_key_with_the_codes_default() -> None:
     for key, written in documented.items():
         want = special.get(key) or _shown(getattr(defaults, key))
         assert written == want, f"docs/vllm.md: {key} default {written}, the code has {want}"
+
+
+def test_the_scheduler_role_checks_the_key_settings_without_reading_the_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # only the workers' engines use the key: the scheduler process never holds it
+    path = tmp_path / "kvxfer.key"
+    path.write_text(KEY)
+    path.chmod(0o644)  # readable by others: the warning is the workers' to give
+    with caplog.at_level("WARNING", logger="kvxfer"):
+        got = parse_extra({"auth_key_file": str(path)}, env={}, read_key=False)
+    assert got.auth_key is None and caplog.records == []
+    # nothing is opened: a file only the workers' host has does not stop the scheduler
+    assert parse_extra({"auth_key_file": str(tmp_path / "nope")}, env={},
+                       read_key=False).auth_key is None  # fmt: skip
+    assert parse_extra({}, env={"KVXFER_AUTH_KEY": KEY}, read_key=False).auth_key is None
+    # what can be checked without the key still is
+    with pytest.raises(ConfigError, match=r"auth_key_file must be a path"):
+        parse_extra({"auth_key_file": 7}, env={}, read_key=False)
+    with pytest.raises(ConfigError, match=r"auth_key is refused") as e:
+        parse_extra({"auth_key": KEY}, env={}, read_key=False)
+    assert KEY not in str(e.value)
+    # the workers' side reads it, as before
+    assert parse_extra({"auth_key_file": str(path)}, env={}).auth_key == KEY.encode()

@@ -15,6 +15,7 @@ from kvxfer.integrations.vllm.params import (
     RemotePrefill,
     compose_params,
     parse_params,
+    prompt_context,
     prompt_hash,
 )
 from kvxfer.integrations.vllm.scheduler import ProducerRank, SchedulerSide
@@ -76,6 +77,26 @@ def test_bad_params_are_refused_by_name(mutate, match: str) -> None:
     mutate(params)
     with pytest.raises(ProtocolError, match=match):
         parse_params(params)
+
+
+@pytest.mark.parametrize("bad", ["x", [1], 5, 1.5, True, ["do_remote_prefill"]])
+def test_params_that_are_not_an_object_are_refused_by_name(bad: object) -> None:
+    # any client of vLLM's API can send them (vllm_xargs takes strings, numbers, lists)
+    with pytest.raises(ProtocolError, match=r"kv_transfer_params must be an object, got"):
+        parse_params(bad)  # type: ignore[arg-type]
+    assert parse_params("") is None and parse_params([]) is None  # empty: names none
+
+
+@pytest.mark.parametrize("bad", ["x", [1], 5, ["do_remote_decode"]])
+def test_params_that_are_not_an_object_never_stop_either_side(bad: object) -> None:
+    # a decode computes such a request locally; a prefill offers nothing for it
+    assert _decode_side().matched_tokens("r", PROMPT, bad, 0) == (0, False)  # type: ignore[arg-type]
+    s = _prefill_side()
+    assert s.finished("a", bad, [1, 2, 3], 70, True, PROMPT) == (False, None)  # type: ignore[arg-type]
+    assert s.take_step().holds == []
+    # and the same sides still serve well-formed params afterwards
+    assert _decode_side().matched_tokens("r", PROMPT, compose_params(REMOTE), 0) == (70, True)
+    assert s.finished("b", {"do_remote_decode": True}, [1, 2, 3], 70, True, PROMPT)[0] is True
 
 
 def _decode_side() -> SchedulerSide:
@@ -220,6 +241,51 @@ def test_params_made_for_another_prompt_are_not_taken() -> None:
     assert s.matched_tokens("d", None, params, 0) == (0, False)  # embeddings: no ids
     # refusals claim nothing: the prompt the params were made for still takes them
     assert s.matched_tokens("a", PROMPT, params, 0) == (70, True)
+
+
+def test_the_prompt_hash_covers_what_else_decides_the_kv() -> None:
+    # the same token ids under another LoRA adapter, cache salt or image have other KV
+    # (vLLM keys its own prefix cache on them too)
+    base = prompt_hash(PROMPT)
+    assert prompt_hash(PROMPT, ()) == base  # a text prompt: the token ids alone
+    variants = [("lora", "a"), ("lora", "b"), ("salt", "a"), ("mm", "img1", "3", "16"),
+                ("mm", "img2", "3", "16"), ("mm", "img1", "4", "16")]  # fmt: skip
+    hashes = {prompt_hash(PROMPT, [v]) for v in variants} | {base}
+    assert len(hashes) == len(variants) + 1
+    # unambiguous: two entries never hash as one entry holding their text
+    assert prompt_hash(PROMPT, [("lora", "a"), ("salt", "b")]) != prompt_hash(
+        PROMPT, [("lora", "a", "salt", "b")]
+    )
+
+
+def test_the_prompt_context_is_read_from_a_request() -> None:
+    from types import SimpleNamespace as NS
+
+    plain = NS(lora_request=None, cache_salt=None, mm_features=[])
+    assert prompt_context(plain) == ()
+    assert prompt_context(NS()) == ()  # an engine whose requests have none of these
+    full = NS(
+        lora_request=NS(lora_name="sql", lora_int_id=3, lora_path="/x"),
+        cache_salt="tenant-a",
+        mm_features=[NS(identifier="h1", mm_position=NS(offset=5, length=16)),
+                     NS(identifier="h2", mm_position=NS(offset=40, length=8))],
+    )  # fmt: skip
+    assert prompt_context(full) == (("lora", "sql"), ("salt", "tenant-a"),
+                                    ("mm", "h1", "5", "16"), ("mm", "h2", "40", "8"))  # fmt: skip
+
+
+def test_params_made_under_another_lora_salt_or_image_are_not_taken() -> None:
+    ctx = (("lora", "sql"), ("salt", "tenant-a"))
+    remote = dataclasses.replace(REMOTE, prompt_hash=prompt_hash(PROMPT, ctx))
+    params = compose_params(remote)
+    s = _decode_side()
+    assert s.matched_tokens("x", PROMPT, params, 0) == (0, False)  # no context
+    assert s.matched_tokens("y", PROMPT, params, 0, (("lora", "sql"),)) == (0, False)
+    assert s.matched_tokens("z", PROMPT, params, 0, ctx) == (70, True)
+    # the prefill stamps its request's context into the params it offers
+    p = _prefill_side()
+    offered = p.finished("a", {"do_remote_decode": True}, [1, 2, 3], 70, True, PROMPT, ctx)[1]
+    assert offered is not None and offered["kvxfer"]["prompt_hash"] == prompt_hash(PROMPT, ctx)
 
 
 def test_params_past_their_lease_are_not_taken(monkeypatch: pytest.MonkeyPatch) -> None:

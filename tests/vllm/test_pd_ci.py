@@ -122,6 +122,19 @@ def test_params_naming_a_prefill_outside_allowed_prefills_compute_locally(
     assert "computing locally" in line
 
 
+def test_params_made_under_another_cache_salt_compute_locally(ci: dict[str, Any]) -> None:
+    # the same token ids under tenant B's salt have other KV (vLLM's prefix cache keys
+    # on the salt too): tenant A's params are refused, the same salt takes them
+    salt = ci["salt"]
+    other, same = salt["other_salt"], salt["same_salt"]
+    assert other["tokens"] == other["ref"] and other["num_cached_tokens"] == 0, other
+    (line,) = salt["log"]
+    assert "made for another prompt" in line and "computing locally" in line
+    assert same["tokens"] == same["ref"], same
+    # loaded: vLLM counts a load's whole blocks as cached (the 4 records: 40 -> 32 ...)
+    assert same["num_cached_tokens"] == same["prompt_len"] // 32 * 32 > 0, same
+
+
 def test_transfers_show_in_vllms_own_metrics(ci: dict[str, Any]) -> None:
     # vLLM's stats path (get_kv_connector_stats -> its loggers and Prometheus): the 4
     # loads above, their bytes (every block the prefill computed: the tiny model has 2

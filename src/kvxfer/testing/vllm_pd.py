@@ -113,7 +113,8 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 
 
 def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[str, Any] | None,
-             n: int = 1) -> dict[str, Any]:  # fmt: skip
+             n: int = 1, salt: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """One request; ``params``: its kv_transfer_params; ``salt``: its ``cache_salt``."""
     from vllm.sampling_params import RequestOutputKind
 
     from vllm import SamplingParams
@@ -129,7 +130,8 @@ def _run_one(llm: Any, prompt: Sequence[int], max_tokens: int, params: Mapping[s
     engine = llm.llm_engine
     rid = f"r{time.monotonic_ns()}"
     t0 = time.perf_counter()
-    engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
+    engine.add_request(rid, {"prompt_token_ids": list(prompt),
+                             **({"cache_salt": salt} if salt else {})}, sp)  # fmt: skip
     by_index: dict[int, list[int]] = {i: [] for i in range(n)}  # parallel sampling's children
     ttft = None
     out_params = None
@@ -216,7 +218,7 @@ def _child(conn: Any, opts: dict[str, Any]) -> None:
                     conn.send(("ok", _metrics(llm, payload)))
                     continue
                 r = _run_one(llm, payload["prompt"], payload["max_tokens"], payload.get("params"),
-                             payload.get("n", 1))  # fmt: skip
+                             payload.get("n", 1), payload.get("salt"))  # fmt: skip
                 conn.send(("ok", r))
             except Exception:
                 conn.send(("err", traceback.format_exc()))
@@ -275,10 +277,12 @@ class Instance:
         return self.init_s
 
     def gen(self, prompt: Sequence[int], max_tokens: int, params: Mapping[str, Any] | None = None,
-            timeout_s: float = 300, n: int = 1) -> dict[str, Any]:  # fmt: skip
+            timeout_s: float = 300, n: int = 1, salt: str | None = None) -> dict[str, Any]:  # fmt: skip
         """Run one greedy request (``n`` > 1: parallel sampling, every child's tokens in
-        ``all_tokens``); return tokens, ttft_s, total_s, kv_transfer_params..."""
-        payload = {"prompt": list(prompt), "max_tokens": max_tokens, "params": params, "n": n}
+        ``all_tokens``; ``salt``: its ``cache_salt``); return tokens, ttft_s, total_s,
+        kv_transfer_params..."""
+        payload = {"prompt": list(prompt), "max_tokens": max_tokens, "params": params, "n": n,
+                   "salt": salt}  # fmt: skip
         return dict(self._ask("gen", payload, timeout_s, "request not done"))
 
     def metrics(self, prefix: str = "vllm:kvxfer", timeout_s: float = 60) -> dict[str, float]:

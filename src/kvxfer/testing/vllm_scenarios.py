@@ -65,12 +65,13 @@ def prompt_set(n: int = 18, seed: int = 0) -> list[list[int]]:
 
 
 def _pd(p: Instance, d: Instance, prompt: Sequence[int], ref: Sequence[int] | None,
-        params: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Prefill on ``p`` (unless ``params`` are given), decode on ``d``; one record."""
+        params: dict[str, Any] | None = None, salt: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Prefill on ``p`` (unless ``params`` are given), decode on ``d`` (``salt``: the
+    decode request's ``cache_salt``); one record."""
     t0 = time.perf_counter()
     if params is None:
         params = p.gen(prompt, 1, PREFILL)["kv_transfer_params"]
-    r = d.gen(prompt, MAX_TOKENS, params)
+    r = d.gen(prompt, MAX_TOKENS, params, salt=salt)
     return {
         "prompt_len": len(prompt), "tokens": r["tokens"], "ref": list(ref or []),
         "equal": ref is not None and r["tokens"] == list(ref), "finish_reason": r["finish_reason"],
@@ -150,6 +151,19 @@ def _elsewhere(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> d
     return {**rec, "log": _log_lines(d, "192.0.2.7")}
 
 
+def _other_salt(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> dict[str, Any]:
+    """Params made under one ``cache_salt`` (tenant A) on a decode request of the same
+    token ids under another salt: other KV by vLLM's own prefix-cache rules, so the
+    decode computes locally; the same salt on both sides takes the KV."""
+    seen = len(_log_lines(d, "made for another prompt"))  # the negative control's line
+    salted = p.gen(prompt, 1, PREFILL, salt="tenant-a")["kv_transfer_params"]
+    other = _pd(p, d, prompt, ref, params=salted, salt="tenant-b")
+    salted = p.gen(prompt, 1, PREFILL, salt="tenant-a")["kv_transfer_params"]
+    same = _pd(p, d, prompt, ref, params=salted, salt="tenant-a")
+    return {"other_salt": other, "same_salt": same,
+            "log": _log_lines(d, "made for another prompt")[seen:]}  # fmt: skip
+
+
 def _released(p: Instance, n: int, timeout_s: float = 10) -> dict[str, float]:
     """The prefill's kvxfer metrics once ``n`` holds were released by reads, or as they
     are at ``timeout_s``. The last ReadDone may reach the prefill after the decode's
@@ -186,6 +200,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     two = make_prompts(1, VOCAB, [90], seed=13)[0]
     two_push = make_prompts(1, VOCAB, [90], seed=17)[0]
     elsewhere = make_prompts(1, VOCAB, [60], seed=23)[0]
+    salted = make_prompts(1, VOCAB, [50], seed=29)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
     keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all four
     # the prefill and the first decode with vLLM's stats path on (its metrics are checked)
@@ -203,9 +218,9 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     try:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
                 "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready()}  # fmt: skip
-        refs = _refs(p, [*prompts, neg, par, two, two_push, elsewhere])
-        ref = dict(zip(("neg", "par", "two", "two_push", "elsewhere"), refs[len(prompts):],
-                       strict=True))  # fmt: skip
+        refs = _refs(p, [*prompts, neg, par, two, two_push, elsewhere, salted])
+        ref = dict(zip(("neg", "par", "two", "two_push", "elsewhere", "salted"),
+                       refs[len(prompts):], strict=True))  # fmt: skip
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
         metrics = {"decode": d.metrics(), "prefill": _released(p, len(records))}
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
@@ -219,6 +234,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
             "push": {"records": pushed, "log": _log_lines(d3, "KV load ended"),
                      "negative": _negative(p, d3, neg, ref["neg"])},
             "push_two_engines": _two_engines(p, d, d3, two_push, ref["two_push"], pool),
+            "salt": _other_salt(p, d, salted, ref["salted"]),
             "auth": side_channel_refusals(records[0]["params"]["kvxfer"]["address"]),
             "metrics": metrics, "stats_log": _log_lines(d, "KV Transfer metrics"),
             # silences of the prefill that silence_s forgave (measured, not asserted)

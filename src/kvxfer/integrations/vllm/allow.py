@@ -41,7 +41,9 @@ class Allowed:
 
 
 def _port(text: str) -> int | None:
-    return int(text) if text.isdigit() and 0 < int(text) < 65536 else None
+    # ASCII digits only: str.isdigit takes "²" (int() refuses it) and int() takes "٧"
+    ok = text.isascii() and text.isdigit()
+    return int(text) if ok and 0 < int(text) < 65536 else None
 
 
 def _host_port(text: str, port_required: bool) -> tuple[str, int | None] | None:

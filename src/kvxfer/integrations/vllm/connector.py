@@ -28,16 +28,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvxfer.errors import ConfigError
 from kvxfer.integrations.vllm import stats
 from kvxfer.integrations.vllm.extra import parse_extra
 from kvxfer.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
+from kvxfer.integrations.vllm.params import prompt_context
 from kvxfer.integrations.vllm.scheduler import (
     HoldJob,
     LoadJob,
     ProducerRank,
     SchedulerSide,
 )
-from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
+from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, kv_cache_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -96,8 +98,9 @@ class KvxferConnector(KVConnectorBase_V1):
     Extra config keys (``kv_connector_extra_config``): the fields of
     :class:`~kvxfer.integrations.vllm.extra.ExtraConfig` (defaults there; docs/vllm.md
     says what each does), read and checked once when the connector starts, in both
-    roles: a bad value or a key kvxfer does not know stops it with a ``ConfigError``
-    that names the key.
+    roles (the deployment key is read in the workers' role only): a bad value or a key
+    kvxfer does not know stops it with a ``ConfigError`` that names the key. Pipeline
+    parallelism is refused the same way.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -106,8 +109,17 @@ class KvxferConnector(KVConnectorBase_V1):
         kv = vllm_config.kv_transfer_config
         self._block_size = int(vllm_config.cache_config.block_size)
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+        if pp_size != 1:  # each stage's workers hold other layers under the same TP ranks
+            raise ConfigError(
+                f"kvxfer's connector does not support pipeline parallelism "
+                f"(pipeline_parallel_size {pp_size}): use tensor parallelism only"
+            )
         self._engine_id = str(kv.engine_id)
-        self._extra = parse_extra(kv.kv_connector_extra_config)
+        # the key is the workers' engines' alone: the scheduler checks its settings only
+        self._extra = parse_extra(
+            kv.kv_connector_extra_config, read_key=role != KVConnectorRole.SCHEDULER
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._idle = False  # the bound step runs no tokens (see KvxferMetadata.idle)
@@ -124,7 +136,7 @@ class KvxferConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids, request.kv_transfer_params,
-            num_computed_tokens,
+            num_computed_tokens, prompt_context(request),
         )  # fmt: skip
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -144,7 +156,7 @@ class KvxferConnector(KVConnectorBase_V1):
             request.request_id, request.kv_transfer_params, block_ids,
             request.num_computed_tokens,
             request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
-            request.prompt_token_ids,
+            request.prompt_token_ids, prompt_context(request),
         )  # fmt: skip
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -169,6 +181,7 @@ class KvxferConnector(KVConnectorBase_V1):
 
         cfg, kv = self._vllm_config, self._vllm_config.kv_transfer_config
         names = list(kv_caches)
+        dtype = str(cfg.model_config.dtype).removeprefix("torch.")
         settings = WorkerSettings(
             engine_id=self._engine_id,
             tp_rank=get_tensor_model_parallel_rank(),
@@ -179,8 +192,9 @@ class KvxferConnector(KVConnectorBase_V1):
             is_producer=kv.is_kv_producer,
             is_consumer=kv.is_kv_consumer,
             model_name=self._extra.model_name or str(cfg.model_config.hf_config.model_type),
-            dtype=str(cfg.model_config.dtype).removeprefix("torch."),
+            dtype=dtype,
             extra=self._extra,
+            kv_dtype=kv_cache_dtype(dtype, str(getattr(cfg.cache_config, "cache_dtype", "auto"))),
         )
         self._worker = WorkerSide(settings)
         self._worker.register([kv_caches[n] for n in names])

@@ -3,7 +3,8 @@
 :class:`ExtraConfig` is the one table of what a user may configure: each field is a key
 (``auth_key`` comes from ``auth_key_file`` or ``$KVXFER_AUTH_KEY``) and each field's
 default is the key's default, written nowhere else. :func:`parse_extra` reads a
-connector's whole extra config once, in both roles: every value is checked, and a key
+connector's whole extra config once, in both roles: every value is checked (the key
+file is read only in the workers' role, whose engines use it), and a key
 kvxfer does not know (a typo such as ``deadline``, or another connector's key) is
 refused by name at start instead of being ignored. A bad value raises
 :class:`~kvxfer.errors.ConfigError` naming ``kv_connector_extra_config.<key>``.
@@ -66,6 +67,11 @@ class ExtraConfig:
     auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
 
 
+def _is_decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit takes "²" (int() refuses it) and int() takes "٧"."""
+    return text.isascii() and text.isdigit()
+
+
 def peer_list(value: Any, allowed: tuple[Allowed, ...] | None = None) -> tuple[str, ...]:
     """The ``prefill_peers`` extra-config value: a JSON list of producer addresses (each
     as the prefill publishes it: its ranks' endpoints, comma-separated), each in
@@ -126,7 +132,7 @@ def hold_slots(value: Any) -> int:
     Raises:
         ConfigError: naming the key, for anything but an integer in [1, 2**24].
     """
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and _is_decimal(value.strip()):
         value = int(value)
     return check_hold_slots(f"{PREFIX}.hold_slots", value)
 
@@ -144,7 +150,9 @@ def transfer_mode(value: Any) -> str:
     return str(value)
 
 
-def auth_key(path: Any, inline: Any = None, env: Mapping[str, str] | None = None) -> bytes | None:
+def auth_key(
+    path: Any, inline: Any = None, env: Mapping[str, str] | None = None, *, read: bool = True
+) -> bytes | None:
     """The deployment key of this instance's engines (:mod:`kvxfer.wire.auth`): the
     contents of the file named by the ``auth_key_file`` extra-config value (surrounding
     whitespace stripped), else ``$KVXFER_AUTH_KEY`` (from ``env``, default the process
@@ -152,7 +160,8 @@ def auth_key(path: Any, inline: Any = None, env: Mapping[str, str] | None = None
 
     ``inline`` is the ``auth_key`` extra-config value, refused when given: vLLM logs its
     whole configuration at start, so a key written there would be in every log. A key
-    file that other users may read is used, with a warning.
+    file that other users may read is used, with a warning. ``read`` False: check the
+    two values and return None without opening the file or reading the environment.
 
     Raises:
         ConfigError: naming the key or the variable (never printing the key) for a path
@@ -166,6 +175,8 @@ def auth_key(path: Any, inline: Any = None, env: Mapping[str, str] | None = None
             f"auth_key_file) or {ENV_KEY}"
         )
     if path is None:
+        if not read:
+            return None
         try:
             return load_auth_key(None, env)
         except LayoutError as e:
@@ -173,6 +184,8 @@ def auth_key(path: Any, inline: Any = None, env: Mapping[str, str] | None = None
     where = f"{PREFIX}.auth_key_file"
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(f"{where} must be a path to a file holding the key, got {path!r}")
+    if not read:
+        return None
     try:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode & 0o777
@@ -191,7 +204,7 @@ def auth_key(path: Any, inline: Any = None, env: Mapping[str, str] | None = None
 
 
 def _port(name: str, value: Any) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and _is_decimal(value.strip()):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ConfigError(f"{PREFIX}.{name} must be a port in [0, 65535], got {value!r}")
@@ -242,11 +255,19 @@ def _unknown(key: object) -> ConfigError:
 
 
 def parse_extra(
-    extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    extra: Mapping[str, Any] | None,
+    env: Mapping[str, str] | None = None,
+    *,
+    read_key: bool = True,
 ) -> ExtraConfig:
     """The connector's ``kv_connector_extra_config`` (None: empty), every key checked.
 
     ``env``: where ``$KVXFER_AUTH_KEY`` is looked up (default the process environment).
+    ``read_key`` False (the scheduler's role: only the workers' engines use the key):
+    ``auth_key`` stays None, and neither the key file nor the environment is read, so
+    the scheduler process never holds the secret and does not repeat the workers'
+    warning about the file's mode; ``auth_key_file`` is still checked to be a path and
+    an inline ``auth_key`` is still refused.
 
     Raises:
         ConfigError: naming the key, for a key kvxfer does not know (with the nearest
@@ -264,5 +285,5 @@ def parse_extra(
         **values,
         prefill_peers=peer_list(extra.get("prefill_peers", []), allowed),
         allowed_prefills=allowed,
-        auth_key=auth_key(extra.get("auth_key_file"), extra.get("auth_key"), env),
+        auth_key=auth_key(extra.get("auth_key_file"), extra.get("auth_key"), env, read=read_key),
     )

@@ -10,6 +10,7 @@ integers do not survive a JavaScript proxy).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,14 @@ import numpy as np
 
 from kvxfer.errors import ProtocolError
 
-__all__ = ["PARAMS_VERSION", "RemotePrefill", "compose_params", "parse_params", "prompt_hash"]
+__all__ = [
+    "PARAMS_VERSION",
+    "RemotePrefill",
+    "compose_params",
+    "parse_params",
+    "prompt_context",
+    "prompt_hash",
+]
 
 PARAMS_VERSION = 3  # 2: prompt_hash (params name their prompt); 3: hold_ticket
 PROMPT_HASH_HEX = 32
@@ -113,24 +121,56 @@ def _ints(v: Sequence[Any], name: str, limit: int, upper: int) -> tuple[int, ...
     return tuple(int(x) for x in v)
 
 
-def prompt_hash(token_ids: Sequence[int]) -> str:
+def prompt_hash(token_ids: Sequence[int], context: Sequence[Sequence[str]] = ()) -> str:
     """A prompt's fingerprint in the params: BLAKE2b-128 of its token ids as little-endian
-    int64, hex. Tells a decode whether params were made for its prompt (a proxy that
-    sent one prefill's params with several prompts); not a defence against forgery
-    (that is the auth key's job)."""
-    raw = np.asarray(token_ids, dtype="<i8").tobytes()
-    return hashlib.blake2b(raw, digest_size=PROMPT_HASH_HEX // 2).hexdigest()
+    int64, then (when there is any) its ``context`` (:func:`prompt_context`) as JSON,
+    hex. Tells a decode whether params were made for its prompt (a proxy that sent one
+    prefill's params with several prompts, or with another LoRA adapter, cache salt or
+    image under the same token ids); not a defence against forgery (that is the auth
+    key's job). A text prompt's hash is its token ids' alone."""
+    h = hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(),
+                        digest_size=PROMPT_HASH_HEX // 2)  # fmt: skip
+    if context:
+        h.update(b"\0" + json.dumps([list(c) for c in context]).encode())
+    return h.hexdigest()
+
+
+def prompt_context(request: Any) -> tuple[tuple[str, ...], ...]:
+    """What decides a request's KV besides its token ids, as vLLM's request holds it:
+    its LoRA adapter (by name: the instances of one deployment load an adapter under
+    one name), its ``cache_salt``, and each multimodal input's content hash and place.
+    vLLM keys its own prefix cache on the same things. Attributes an engine's requests
+    lack count as absent."""
+    out: list[tuple[str, ...]] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        out.append(("lora", str(getattr(lora, "lora_name", lora))))
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        out.append(("salt", str(salt)))
+    for f in getattr(request, "mm_features", None) or ():
+        pos = getattr(f, "mm_position", None)
+        out.append(("mm", str(getattr(f, "identifier", "")), str(getattr(pos, "offset", "")),
+                    str(getattr(pos, "length", ""))))  # fmt: skip
+    return tuple(out)
 
 
 def parse_params(params: Mapping[str, Any] | None) -> RemotePrefill | None:
     """The remote prefill a decode request names, or None when it names none.
 
     Raises:
-        ProtocolError: ``do_remote_prefill`` is set but a field is missing, of the wrong
+        ProtocolError: the params are not an object (a client may send any JSON value),
+            or ``do_remote_prefill`` is set but a field is missing, of the wrong
             type, out of bounds, or written by another kvxfer params version (the
             message names the field).
     """
-    if not params or not params.get("do_remote_prefill"):
+    if not params:
+        return None
+    if not isinstance(params, Mapping):  # vLLM passes on any JSON a client sent
+        raise ProtocolError(
+            f"kv_transfer_params must be an object, got {type(params).__name__} {params!r:.80}"
+        )
+    if not params.get("do_remote_prefill"):
         return None
     x = _field(params, "kvxfer", dict, "")
     version = _field(x, "version", int, "kvxfer.")

@@ -164,11 +164,13 @@ class SchedulerSide:
         prompt: Sequence[int] | None,
         params: Mapping[str, Any] | None,
         num_computed: int,
+        context: Sequence[Sequence[str]] = (),
     ) -> tuple[int, bool]:
         """``(tokens to load, load asynchronously)`` for a new request (vLLM's contract).
 
         ``prompt``: the request's prompt token ids (None for a prompt given as embeddings:
-        never loaded, since no params can be checked against it).
+        never loaded, since no params can be checked against it); ``context``: what else
+        decides its KV (:func:`~kvxfer.integrations.vllm.params.prompt_context`).
         """
         if not self.is_consumer:
             return 0, False
@@ -184,7 +186,11 @@ class SchedulerSide:
             # asked again after its load: a failed load under the "recompute" policy, or
             # a preemption; offering the same KV again could loop, so compute locally
             return 0, False
-        why = self._refusal(request_id, prompt, remote)
+        try:
+            why = self._refusal(request_id, prompt, remote, context)
+        except Exception as e:  # client input: a check that breaks must not stop vLLM's engine
+            log.exception("request %s: checking its kv_transfer_params failed", request_id)
+            why = f"its params could not be checked ({type(e).__name__})"
         if why:
             log.warning("request %s: not loading the KV of prefill request %s (%s); "
                         "computing locally", request_id, remote.request_id, why)  # fmt: skip
@@ -199,7 +205,8 @@ class SchedulerSide:
         self._pending[request_id] = _Pending(remote, num_computed)
         return count, True
 
-    def _refusal(self, request_id: str, prompt: Sequence[int] | None, remote: RemotePrefill) -> str:
+    def _refusal(self, request_id: str, prompt: Sequence[int] | None, remote: RemotePrefill,
+                 context: Sequence[Sequence[str]]) -> str:  # fmt: skip
         """Why ``request_id`` may not read ``remote`` ("" if it may)."""
         if why := refuse_address(remote.address, self.allowed):
             return why  # first: nothing else about a prefill we may not contact matters
@@ -208,7 +215,8 @@ class SchedulerSide:
         now = time.time()
         if remote.lease_expires_at_ms is not None and now * 1000 >= remote.lease_expires_at_ms:
             return "its lease has ended: the prefill may have reused the blocks"
-        if prompt is None or prompt_hash(prompt) != remote.prompt_hash:
+        if prompt is None or prompt_hash(prompt, context) != remote.prompt_hash:
+            # other token ids, or the same ones under another LoRA, salt or image
             return "the params were made for another prompt"
         claim = self._claims.get(_claim_key(remote))
         if claim is not None and (claim.request_id != request_id or claim.used):
@@ -263,14 +271,22 @@ class SchedulerSide:
         num_computed_tokens: int,
         is_length_capped: bool,
         prompt: Sequence[int] | None,
+        context: Sequence[Sequence[str]] = (),
     ) -> tuple[bool, dict[str, Any] | None]:
-        """``(delay_free_blocks, kv_transfer_params)`` for a finished request."""
+        """``(delay_free_blocks, kv_transfer_params)`` for a finished request
+        (``context``: as for :meth:`matched_tokens`, stamped into the params' hash)."""
         self._pending.pop(request_id, None)
         self._loaded.discard(request_id)
         key = self._claimed.pop(request_id, None)
         if key is not None and (claim := self._claims.get(key)) is not None:
             claim.used = True  # read or not, this KV is nobody else's
-        if not (self.is_producer and params and params.get("do_remote_decode")):
+        if not self.is_producer or not params:
+            return False, None
+        if not isinstance(params, Mapping):  # any JSON a client sent: not ours to offer
+            log.warning("request %s: ignoring kv_transfer_params that are not an object: "
+                        "%.80r", request_id, params)  # fmt: skip
+            return False, None
+        if not params.get("do_remote_decode"):
             return False, None
         if not is_length_capped or not block_ids or prompt is None:
             return False, None  # aborted or failed (or embeddings): nothing to offer
@@ -303,7 +319,7 @@ class SchedulerSide:
             num_tokens=min(num_computed_tokens, len(block_ids) * self.block_size),
             # the workers' hold starts later than now, so its lease ends later than this
             lease_expires_at_ms=time.time_ns() // 1_000_000 + int(self.lease_s * 1000),
-            prompt_hash=prompt_hash(prompt),
+            prompt_hash=prompt_hash(prompt, context),
             hold_ticket=ticket,
         )
         self._held[request_id] = ticket

@@ -32,7 +32,7 @@ from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
 from kvxfer.integrations.vllm.stats import StatsTally
 
-__all__ = ["WorkerSettings", "WorkerSide"]
+__all__ = ["WorkerSettings", "WorkerSide", "kv_cache_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,19 @@ class WorkerSettings:
     model_name: str
     dtype: str
     extra: ExtraConfig = field(default_factory=ExtraConfig)  # the user's keys, checked
+    kv_dtype: str = ""  # the KV cache's own dtype (kv_cache_dtype); "": the model's
+
+
+def kv_cache_dtype(model_dtype: str, cache_dtype: str) -> str:
+    """The dtype of a vLLM instance's KV bytes, for the compatibility hash: the model's
+    when ``cache_dtype`` (vLLM's ``--kv-cache-dtype``) is ``"auto"`` or empty, else the
+    cache's, with vLLM's alias ``"fp8"`` written as the ``"fp8_e4m3"`` it means. vLLM's
+    fp8 caches are one byte an element under any model dtype, so layouts cannot tell
+    ``fp8_e4m3`` from ``fp8_e5m2``: only this name keeps a decode from reading the
+    other format's bytes as its own."""
+    if cache_dtype in ("", "auto"):
+        return model_dtype
+    return "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
 
 
 @dataclass(slots=True)
@@ -115,7 +128,7 @@ class WorkerSide:
         def config(role: str, addr: str) -> EngineConfig:
             return EngineConfig(
                 f"{s.engine_id}-{role}", side_channel_addr=addr, model_name=s.model_name,
-                dtype=s.dtype, kv_dtype=s.dtype, deadline_s=x.deadline_s, lease_s=x.lease_s,
+                dtype=s.dtype, kv_dtype=s.kv_dtype or s.dtype, deadline_s=x.deadline_s, lease_s=x.lease_s,
                 heartbeat_s=x.heartbeat_s, silence_s=x.silence_s, hold_slots=x.hold_slots,
                 auth_key=x.auth_key,
                 # a push decode asks each prefill to contact it back at first contact

@@ -1,0 +1,70 @@
+"""The connector's two roles, built from vLLM's own config and role classes (under the
+vLLM venv's Python, no instance started: a few seconds): the deployment key is read
+where the engines use it, in the workers, and never in the scheduler's process;
+pipeline parallelism is refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.conftest import _env, vllm_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+BUILD = """
+import json, sys, types
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvxfer.errors import ConfigError
+from kvxfer.integrations.vllm.connector import KvxferConnector
+
+kv = KVTransferConfig(
+    kv_connector="KvxferConnector", kv_role="kv_both", engine_id="roles",
+    kv_connector_module_path="kvxfer.integrations.vllm.connector",
+    kv_connector_extra_config={"auth_key_file": sys.argv[1]},
+)
+config = types.SimpleNamespace(
+    kv_transfer_config=kv, cache_config=types.SimpleNamespace(block_size=32),
+    parallel_config=types.SimpleNamespace(tensor_parallel_size=1,
+                                          pipeline_parallel_size=int(sys.argv[2])),
+)
+out = {}
+for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+    try:
+        key = KvxferConnector(config, role, None)._extra.auth_key
+        out[role.name] = "started, key " + ("none" if key is None else f"of {len(key)} bytes")
+    except ConfigError as e:
+        out[role.name] = f"ConfigError: {e}"
+print(json.dumps(out))
+"""
+
+
+def _roles(key_file: Path, pp_size: int = 1) -> dict[str, str]:
+    r = subprocess.run([vllm_python(), "-c", BUILD, str(key_file), str(pp_size)], capture_output=True,
+                       text=True, timeout=240, env=_env())  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, str] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_only_the_worker_role_reads_the_key_file(vllm_ready: None, tmp_path: Path) -> None:
+    key = tmp_path / "kvxfer.key"
+    key.write_text("0123456789abcdef0123456789abcdef\n")
+    key.chmod(0o600)
+    assert _roles(key) == {"SCHEDULER": "started, key none", "WORKER": "started, key of 32 bytes"}
+    # a file the scheduler would fail to read: it opens none, the workers refuse it by name
+    got = _roles(tmp_path / "missing.key")
+    assert got["SCHEDULER"] == "started, key none"
+    assert got["WORKER"].startswith("ConfigError: kv_connector_extra_config.auth_key_file")
+    assert "missing.key" in got["WORKER"] and "cannot read it" in got["WORKER"]
+    # pipeline parallelism: each stage's workers hold other layers under the same TP
+    # ranks (a decode would read another stage's layers); refused by name in both roles
+    for role, text in _roles(key, pp_size=2).items():
+        assert text.startswith(
+            "ConfigError: kvxfer's connector does not support pipeline "
+            "parallelism (pipeline_parallel_size 2)"
+        ), (role, text)
