@@ -67,6 +67,29 @@ def test_refused_pairing_leaves_no_agent_behind() -> None:
         assert prod.held_blocks == 0
 
 
+def test_an_incompatible_producer_is_refused_naming_what_differs() -> None:
+    """A compat hash says only that the models differ; the error names which fact (here
+    the KV cache dtype: fp8_e5m2 and fp8_e4m3 are both one byte, so layouts agree)."""
+    from kvxfer.errors import IncompatibleError
+
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    with (
+        Producer(EngineConfig("p", model_name="tiny-gqa", kv_dtype="fp8_e5m2"),
+                 [(spec, allocate_cache(spec))]) as prod,
+        Consumer(EngineConfig("d", model_name="tiny-gqa", kv_dtype="fp8_e4m3"),
+                 [(spec, allocate_cache(spec))]) as cons,
+    ):  # fmt: skip
+        t = cons.read("r", prod.address, local_block_ids=[1], remote_block_ids=[2])
+        assert t.wait(10) is RequestState.FAILED
+        assert isinstance(t.error, IncompatibleError)
+        msg = str(t.error)
+        assert "compat hash mismatch" in msg
+        assert "the models differ in kv_dtype: 'fp8_e5m2' there, 'fp8_e4m3' here" in msg, msg
+        assert "model_name" not in msg.split("differ in", 1)[1], msg  # only what differs
+        assert cons.ranks[0].backend._remotes == set()
+        assert prod.held_blocks == 0
+
+
 def test_preconnect_then_first_request_skips_first_contact() -> None:
     """A consumer told its producer's address at start contacts it in the background and
     wires the notification path (one Heartbeat per producer rank, accepted silently): the

@@ -76,6 +76,7 @@ def test_a_decode_never_reads_an_fp8_cache_of_the_other_format(
                 assert all(int(t.sum()) == 0 for t in d_tensors[name])  # not a byte
                 (line,) = [r.getMessage() for r in caplog.records if "d-other" in r.getMessage()]
                 assert "IncompatibleError" in line and "compat hash mismatch" in line, line
+                assert "the models differ in kv_dtype: 'fp8_e5m2' there, 'fp8_e4m3' here" in line
     finally:
         for side in (prefill, *decodes.values()):
             side.close()

@@ -382,3 +382,26 @@ def test_region_memory_kind_and_device_travel_in_the_record() -> None:
         type=RegionRecord,
     )
     assert old.mem_kind == "DRAM"
+
+
+def test_a_mismatch_names_the_facts_that_differ_or_stays_as_it_was() -> None:
+    from kvxfer.wire import ModelFacts, explain_mismatch, facts_differ, facts_json
+
+    ours = ModelFacts(model_name="m", dtype="bfloat16", kv_dtype="fp8_e4m3", num_layers=2,
+                      num_kv_heads=2, head_dim=8)  # fmt: skip
+    theirs = ModelFacts(model_name="m", dtype="bfloat16", kv_dtype="fp8_e5m2", num_layers=4,
+                        num_kv_heads=2, head_dim=8)  # fmt: skip
+    assert facts_differ(facts_json(theirs), ours) == (
+        "kv_dtype: 'fp8_e5m2' there, 'fp8_e4m3' here; num_layers: 4 there, 2 here"
+    )
+    assert facts_differ(facts_json(ours), ours) == ""
+    msg = "compat hash mismatch: rank 0 has 'a', expected 'b'"
+    assert explain_mismatch(f"{msg}; its model: {facts_json(theirs)}", ours) == (
+        f"{msg}; the models differ in kv_dtype: 'fp8_e5m2' there, 'fp8_e4m3' here; "
+        "num_layers: 4 there, 2 here"
+    )
+    # an older peer (no facts), a cut reply, junk: the message as it came
+    assert explain_mismatch(msg, ours) == msg
+    cut = f"{msg}; its model: {facts_json(theirs)[:20]}"
+    assert explain_mismatch(cut, ours) == cut
+    assert explain_mismatch(f"{msg}; its model: [1, 2]", ours) == f"{msg}; its model: [1, 2]"

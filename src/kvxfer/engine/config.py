@@ -12,7 +12,7 @@ import numpy.typing as npt
 from kvxfer.errors import ConfigError
 from kvxfer.layout.model import DeviceBuffer
 from kvxfer.layout.spec import LayoutSpec
-from kvxfer.wire import compat_hash, model_facts
+from kvxfer.wire import ModelFacts, compat_hash, model_facts
 from kvxfer.wire.limits import MAX_HOLD_SLOTS
 
 __all__ = [
@@ -162,10 +162,13 @@ class EngineConfig:
         """Run rows in use: only with strided lists (dense lists would grow per level)."""
         return self.max_run_blocks if self.strided else 1
 
+    def facts(self, spec: LayoutSpec) -> ModelFacts:
+        """The model facts of this engine over ``spec``: what its compat hash covers."""
+        return model_facts(spec, model_name=self.model_name, dtype=self.dtype,
+                           kv_dtype=self.kv_dtype)  # fmt: skip
+
     def compat_hash(self, spec: LayoutSpec) -> str:
-        return compat_hash(
-            model_facts(spec, model_name=self.model_name, dtype=self.dtype, kv_dtype=self.kv_dtype)
-        )
+        return compat_hash(self.facts(spec))
 
 
 def allocate_cache(spec: LayoutSpec) -> list[U8]:

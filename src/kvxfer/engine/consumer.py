@@ -84,7 +84,9 @@ class Consumer(FirstContact):
                 )
             records = encode_records(self.ranks.values(), self.generation, self.compat_hash)
             # push mode: producers fetch this engine's records here
-            self.server: SideChannelServer | None = serve_records(config, records)
+            self.server: SideChannelServer | None = serve_records(
+                config, records, config.facts(ranks[0][0])
+            )
         except BaseException:
             self.close()
             raise

@@ -90,7 +90,7 @@ class Producer:
             self.num_rejected = 0
             self.num_errors = 0
             records = encode_records(self.ranks, self.generation, self.compat_hash, holds=True)
-            self.server = serve_records(config, records)
+            self.server = serve_records(config, records, config.facts(ranks[0][0]))
             self._pusher = PushWorker(
                 {r.rank: r for r in self.ranks},
                 self.generation,
@@ -101,6 +101,7 @@ class Producer:
                 strided=config.strided,
                 run_blocks=config.run_blocks,
                 auth_key=config.auth_key,
+                facts=config.facts(ranks[0][0]),
             )
         except BaseException:
             self.close()

@@ -33,16 +33,24 @@ from typing import cast
 from kvxfer.engine.holds import HoldVerdict, slot_of, verdict
 from kvxfer.engine.push_peer import ConsumerPeer, PushJob, consumer_peer
 from kvxfer.engine.rank import RankCache
-from kvxfer.errors import HoldEndedError, KvxferError, PeerLostError, TransferError
+from kvxfer.errors import (
+    HoldEndedError,
+    IncompatibleError,
+    KvxferError,
+    PeerLostError,
+    TransferError,
+)
 from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import XferOp, XferState
 from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import (
     Failed,
     LayoutRecord,
+    ModelFacts,
     PushRequest,
     WriteDone,
     encode_msg,
+    explain_mismatch,
 )
 from kvxfer.wire.messages import Cancelled
 
@@ -87,8 +95,10 @@ class PushWorker:
         run_blocks: int = 1,
         auth_key: bytes | None = None,
         held_ids: Callable[[str], frozenset[int] | None] = lambda _: None,
+        facts: ModelFacts | None = None,
     ) -> None:
         self._auth_key = auth_key
+        self._facts = facts  # this engine's model facts: a mismatch names what differs
         self._ranks = ranks
         self._generation = generation
         self._hash = compat_hash
@@ -259,6 +269,12 @@ class PushWorker:
         try:
             out: list[LayoutRecord] | Exception = fetch_records(
                 address, None, self._hash, self._timeout_s, auth_key=self._auth_key
+            )
+        except IncompatibleError as e:
+            out = (
+                e
+                if self._facts is None
+                else IncompatibleError(explain_mismatch(str(e), self._facts))
             )
         except Exception as e:  # handed to the push thread, which fails the jobs typed
             out = e

@@ -21,7 +21,7 @@ from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.backend import BackendFactory, TransferBackend
 from kvxfer.transport.nixl import NixlBackend, XferOp, XferState
 from kvxfer.transport.side_channel import SideChannelServer
-from kvxfer.wire import encode_record, record_from_layout
+from kvxfer.wire import ModelFacts, encode_record, facts_json, record_from_layout
 
 __all__ = ["RankCache", "encode_records", "new_generation", "serve_records"]
 
@@ -261,9 +261,13 @@ def encode_records(
     }
 
 
-def serve_records(config: EngineConfig, records: dict[int, bytes]) -> SideChannelServer:
+def serve_records(
+    config: EngineConfig, records: dict[int, bytes], facts: ModelFacts | None = None
+) -> SideChannelServer:
     """Start the side channel an engine serves its records on (bound to
-    ``config.side_channel_addr``, authenticated with ``config.auth_key`` when set)."""
+    ``config.side_channel_addr``, authenticated with ``config.auth_key`` when set;
+    ``facts``: the engine's model facts, named to a peer whose hash differs)."""
     return SideChannelServer(
-        config.side_channel_addr, records, auth_key=config.auth_key, identity=config.engine_id
-    ).start()
+        config.side_channel_addr, records, auth_key=config.auth_key, identity=config.engine_id,
+        facts="" if facts is None else facts_json(facts),
+    ).start()  # fmt: skip

@@ -56,6 +56,7 @@ from kvxfer.wire.auth import (
     is_sealed,
     open_frame,
 )
+from kvxfer.wire.records import MODEL_MARK
 
 __all__ = ["RecordSource", "SideChannelServer", "is_loopback"]
 
@@ -104,8 +105,10 @@ class SideChannelServer:
         max_request_bytes: int = MAX_SIDE_REQUEST_BYTES,
         auth_key: bytes | None = None,
         identity: str = "kvxfer-side-channel",
+        facts: str = "",
     ) -> None:
         self._bind_addr = bind_addr
+        self._facts = facts  # the engine's model facts (JSON), named in "incompatible" replies
         self._sealer = None if auth_key is None else Sealer(auth_key, SIDE_REPLY, identity)
         self._key = auth_key
         self._guard = ReplayGuard()
@@ -317,10 +320,10 @@ class SideChannelServer:
         for r, buf in zip(ranks, records, strict=True):
             have = peek_hash(buf)
             if have != req.expected_hash:
-                return ErrorReply(
-                    "incompatible",
-                    f"compat hash mismatch: rank {r} has {have!r}, expected {req.expected_hash!r}",
-                )
+                msg = f"compat hash mismatch: rank {r} has {have!r}, expected {req.expected_hash!r}"
+                if self._facts:  # the peer can then say which fact differs
+                    msg += f"{MODEL_MARK}{self._facts}"
+                return ErrorReply("incompatible", msg[:MAX_REASON_LEN])
         self.num_served += 1
         return Records(records)
 

@@ -121,6 +121,40 @@ class ModelFacts(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 _CANONICAL = msgspec.msgpack.Encoder(order="sorted")
+_FACTS_JSON = msgspec.json.Decoder(ModelFacts)
+
+
+def facts_json(facts: ModelFacts) -> str:
+    """``facts`` as compact JSON (default fields left out): what a side channel names in
+    its "incompatible" reply, so that the peer can say which fact differs."""
+    return msgspec.json.encode(facts).decode()
+
+
+MODEL_MARK = "; its model: "  # what a side channel's "incompatible" reply ends with
+
+
+def explain_mismatch(message: str, ours: ModelFacts) -> str:
+    """A peer's "incompatible" ``message`` with the facts that differ from ``ours`` named
+    in place of its facts' JSON (left as it is when they cannot be read)."""
+    head, mark, theirs = message.partition(MODEL_MARK)
+    differ = facts_differ(theirs, ours) if mark else ""
+    return f"{head}; the models differ in {differ}" if differ else message
+
+
+def facts_differ(theirs: str, ours: ModelFacts) -> str:
+    """Which facts differ between a peer's :func:`facts_json` text and ``ours``:
+    ``"kv_dtype: 'fp8_e5m2' there, 'fp8_e4m3' here"`` (``"; "``-joined), or "" when
+    ``theirs`` cannot be read (an older peer, a cut message) or nothing differs."""
+    try:
+        peer = _FACTS_JSON.decode(theirs)
+    except (msgspec.MsgspecError, ValueError):
+        return ""
+    mine = msgspec.structs.asdict(ours)
+    return "; ".join(
+        f"{k}: {v!r} there, {mine[k]!r} here"
+        for k, v in msgspec.structs.asdict(peer).items()
+        if v != mine[k]
+    )
 
 
 def compat_hash(facts: ModelFacts) -> str:
