@@ -12,6 +12,7 @@ import pytest
 
 from kvxfer.engine import producer as producer_mod
 from kvxfer.engine.config import EngineConfig, allocate_cache
+from kvxfer.engine.leases import FreeReason
 from kvxfer.engine.producer import Producer
 from kvxfer.layout.presets import spec_for
 from kvxfer.testing import MemoryBackend
@@ -58,3 +59,28 @@ def test_a_push_request_switches_the_drain_interval_to_busy_for_a_while(
         later = time.monotonic() + producer_mod.PUSH_ACTIVE_S + 1
         monkeypatch.setattr(producer_mod.time, "monotonic", lambda: later)
         assert prod._drain_interval() == producer_mod.IDLE_S
+
+
+class FailingOnceBackend(MemoryBackend):
+    """A backend whose first drain raises what no KvxferError covers (a frame that broke
+    the replay guard raised OverflowError there)."""
+
+    failures = 1
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        if FailingOnceBackend.failures:
+            FailingOnceBackend.failures -= 1
+            raise OverflowError("a notification the backend could not open")
+        return super().get_notifs()
+
+
+def test_a_drain_that_raises_anything_never_stops_the_engine_thread() -> None:
+    # that thread also ends leases: had it died, no hold would ever be freed again
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+    FailingOnceBackend.failures = 1
+    with Producer(EngineConfig("flaky", model_name="tiny-gqa"), [(spec, allocate_cache(spec))],
+                  backend_factory=FailingOnceBackend) as prod:  # fmt: skip
+        prod.hold("r", block_ids=[1], lease_s=0.3)
+        assert prod.wait_freed(10)
+        assert prod.pop_freed() == [("r", FreeReason.EXPIRED)]
+    assert FailingOnceBackend.failures == 0  # the failing drain did run

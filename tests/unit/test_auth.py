@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 
 import pytest
@@ -161,3 +162,20 @@ def test_engine_config_keeps_the_key_out_of_repr() -> None:
     cfg = EngineConfig("e", auth_key=KEY)
     assert cfg.auth_key == KEY and KEY.decode() not in repr(cfg)
     assert EngineConfig("e").auth_key is None
+
+
+def test_a_counter_jump_past_the_window_restarts_it_without_a_huge_shift() -> None:
+    # a sealed counter far ahead (2**62: a key holder's forged frame) once made the
+    # guard shift its bit mask by the gap: OverflowError out of the notification drain
+    s, guard = Sealer(KEY, SIDE_REQUEST, "c"), ReplayGuard()
+    assert open_frame(KEY, s.seal(b"0"), SIDE_REQUEST, guard=guard).counter == 0
+    s._counter = itertools.count(2**62)
+    far = s.seal(b"far")
+    assert open_frame(KEY, far, SIDE_REQUEST, guard=guard).counter == 2**62
+    with pytest.raises(AuthError, match="replayed frame"):
+        open_frame(KEY, far, SIDE_REQUEST, guard=guard)
+    s._counter = itertools.count(2**62 - 5)  # within the window below the newest: once
+    assert open_frame(KEY, s.seal(b"near"), SIDE_REQUEST, guard=guard).counter == 2**62 - 5
+    s._counter = itertools.count(1)  # the old stream position: far too old now
+    with pytest.raises(AuthError, match="too old"):
+        open_frame(KEY, s.seal(b"old"), SIDE_REQUEST, guard=guard)

@@ -261,8 +261,9 @@ class Producer:
             for r in self.ranks:
                 try:
                     notifs = r.backend.get_notifs()
-                except KvxferError as e:
-                    log.warning("rank %d: notifications failed: %s", r.rank, e)
+                except Exception as e:  # this thread also ends leases: it never dies
+                    log.warning("rank %d: notifications failed: %s: %s", r.rank,
+                                type(e).__name__, e)  # fmt: skip
                     continue
                 for agent, msgs in notifs.items():
                     for raw in msgs:

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from kvxfer.errors import (
-    AuthError,
     ConfigError,
     KvxferError,
     LayoutError,
@@ -389,7 +388,7 @@ class NixlBackend:
             for m in msgs:
                 try:
                     opened.setdefault(name, []).append(open_notification(self._auth_key, name, m))
-                except AuthError:
+                except Exception:  # AuthError, or anything a frame breaks: one frame only
                     self.num_unauthenticated += 1
         return opened
 

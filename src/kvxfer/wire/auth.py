@@ -170,6 +170,9 @@ class Sealer:
         return MAGIC + body + _mac(self._key, context, body)
 
 
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
+
+
 class ReplayGuard:
     """Accepts each sealed frame once within its freshness window; thread-safe, bounded.
 
@@ -202,8 +205,10 @@ class ReplayGuard:
                 self._streams[key] = [t, c, 1]
                 return
             seen, high, mask = st[0], int(st[1]), int(st[2])
-            if c > high:  # shift the window up to c
-                mask = ((mask << (c - high)) | 1) & ((1 << REPLAY_WINDOW) - 1)
+            if c > high:  # shift the window up to c (a jump past it starts it afresh:
+                # a shift by the gap would build a number of that many bits)
+                shift = c - high
+                mask = 1 if shift >= REPLAY_WINDOW else ((mask << shift) | 1) & _WINDOW_MASK
                 high = c
             elif high - c >= REPLAY_WINDOW:
                 raise AuthError(f"replayed or too old frame: counter {c}, newest {high}")
