@@ -68,6 +68,27 @@ def calls() -> Iterator[tuple[Calls, PeerMonitor]]:
     mon.close()
 
 
+def test_a_name_resolving_to_ipv6_first_is_not_proof_that_an_ipv4_listener_is_gone(
+    monkeypatch: pytest.MonkeyPatch, server: SideChannelServer
+) -> None:
+    # ZMQ (IPv6 off) binds and connects IPv4 only; many hosts files put "localhost" on
+    # ::1 too, often first. A refusal at ::1 while the producer listens on 127.0.0.1 is
+    # not a proof that its process is gone (that proof ends push quarantines).
+    port = int(server.address.rsplit(":", 1)[1])
+    real = socket.getaddrinfo
+
+    def v6_first(host, port, family=0, type=0, proto=0, flags=0):  # type: ignore[no-untyped-def]
+        if host != "dual.test":
+            return real(host, port, family, type, proto, flags)
+        v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))
+        v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))
+        return [a for a in (v6, v4) if family in (0, a[0])]
+
+    monkeypatch.setattr(socket, "getaddrinfo", v6_first)
+    assert listener_gone(f"tcp://dual.test:{port}") is False
+    assert listener_gone(f"tcp://dual.test:{free_port()}") is True  # nothing listens: gone
+
+
 def test_listener_gone_only_when_nothing_listens(silent: str, server: SideChannelServer) -> None:
     assert listener_gone(f"tcp://127.0.0.1:{free_port()}") is True
     assert listener_gone(silent) is False  # connects: alive, or only stopped

@@ -52,24 +52,31 @@ CONNECT_TIMEOUT_S = 0.5  # the refused-connection check (a refusal comes at once
 
 def listener_gone(endpoint: str, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
     """True when ``endpoint`` ("tcp://host:port") is on this host and a TCP connection to
-    it is refused: nothing listens there, so the process that served it exited (or
-    closed it). False when it connects or times out (alive, stopped or unreachable), for
+    it is refused at every address its host resolves to (IPv4, as ZMQ connects it):
+    nothing listens there, so the process that served it exited (or closed it). False when it connects or times out (alive, stopped or unreachable), for
     endpoints that are not TCP, and for other hosts: a refusal from another host may come
     from a firewall while the process behind it lives (this machine's own network
     rejects connections to unknown hosts that way), so it proves nothing."""
     if not endpoint.startswith("tcp://"):
         return False
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    bracketed = host.startswith("[")
     host = host.strip("[]")
+    # ZMQ (IPv6 off) binds and connects names over IPv4 only: a name's IPv6 address
+    # (many hosts files put "localhost" on ::1, often first) is not where it listens
+    family = socket.AF_INET6 if bracketed else socket.AF_INET
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[
-            0
-        ]
-        with socket.socket(family, kind, proto) as probe:
-            probe.bind((str(addr[0]), 0))  # succeeds only for an address of this host
-        with socket.create_connection((str(addr[0]), int(addr[1])), timeout=timeout_s):
+        addrs = socket.getaddrinfo(host, int(port), family, socket.SOCK_STREAM)
+        if not addrs:
             return False
-    except ConnectionRefusedError:
+        for fam, kind, proto, _, addr in addrs:  # every address must be local and refuse
+            with socket.socket(fam, kind, proto) as probe:
+                probe.bind((str(addr[0]), 0))  # succeeds only for an address of this host
+            try:
+                with socket.create_connection((str(addr[0]), int(addr[1])), timeout=timeout_s):
+                    return False
+            except ConnectionRefusedError:
+                continue
         return True
     except (OSError, ValueError):
         return False
