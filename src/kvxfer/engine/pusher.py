@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 MAX_CANCELLED = 4096  # remembered cancelled attempts (a bounded LRU)
 MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived thread)
 MAX_PARKED = 256  # pushes waiting for one consumer's records
+MAX_CONSUMERS = (
+    1024  # consumer engines known at once; past it the least recently used idle one is forgotten
+)
 
 
 _Cmd = tuple[str, object] | None
@@ -242,6 +245,7 @@ class PushWorker:
         records are still being fetched."""
         peer = self._peers.get(address)
         if peer is not None and generation in (0, peer.generation):
+            self._peers[address] = self._peers.pop(address)  # most recently used last
             return peer
         return None
 
@@ -301,9 +305,26 @@ class PushWorker:
                 self._log_error(e)
 
     def _install(self, address: str, recs: list[LayoutRecord]) -> None:
-        if address in self._peers:  # the consumer restarted at this address: forget the old one
-            self._drop(address)
+        old = self._peers.get(address)
+        if old is not None:
+            if set(old.agents.values()) == {r.agent_name for r in recs}:
+                # the same incarnation (a request naming a stale generation had it fetched
+                # again): keep its entry and the WRITEs in flight to it
+                return
+            self._drop(address)  # the consumer restarted at this address: forget the old one
+        self._forget_idle(MAX_CONSUMERS - 1)
         self._peers[address] = consumer_peer(address, recs, self._ranks, self._run_blocks)
+
+    def _forget_idle(self, keep: int) -> None:
+        """Forget the least recently used consumers with no WRITE in flight until at most
+        ``keep`` are known (a consumer restarted on a new port never comes back; its
+        agents would stay on every rank). A forgotten one is contacted again if it pushes."""
+        for address in list(self._peers):
+            if len(self._peers) <= keep:
+                return
+            agents = set(self._peers[address].agents.values())
+            if not any(j.sender in agents for j in self._writes):
+                self._drop(address)
 
     def _drop(self, address: str) -> None:
         peer = self._peers.pop(address)

@@ -1,0 +1,84 @@
+"""The producer's table of push consumers (``PushWorker._peers``, owned by its push
+thread): a refetch of a consumer that did not restart keeps its entry (and the WRITEs
+in flight to it), and the table is bounded, the least recently used idle consumer
+forgotten first. Engines over the in-memory backend, real ZMQ side channels."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, allocate_cache
+from kvxfer.engine import pusher as pusher_mod
+from kvxfer.layout.presets import spec_for
+from kvxfer.testing import MemoryBackend, fill, mismatches
+from kvxfer.transport.side_client import fetch_records
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+
+
+class RemovalLog(MemoryBackend):
+    """A memory backend that records the remote agents it is told to forget."""
+
+    removed: ClassVar[list[str]] = []
+
+    def remove_remote(self, name: str) -> None:
+        RemovalLog.removed.append(name)
+        super().remove_remote(name)
+
+
+def _producer() -> Producer:
+    bufs = allocate_cache(SPEC)
+    fill(SPEC, bufs)
+    return Producer(EngineConfig("pp", model_name="tiny-gqa"), [(SPEC, bufs)],
+                    backend_factory=RemovalLog)  # fmt: skip
+
+
+def _consumer(name: str) -> Consumer:
+    return Consumer(EngineConfig(name, model_name="tiny-gqa"), [(SPEC, allocate_cache(SPEC))],
+                    backend_factory=MemoryBackend)  # fmt: skip
+
+
+def _push(prod: Producer, cons: Consumer, rid: str, local: int, remote: int) -> None:
+    prod.hold(rid, block_ids=[remote])
+    t = cons.push(rid, prod.address, local_block_ids=[local], remote_block_ids=[remote])
+    assert t.wait(20) is RequestState.DONE, t.error
+    assert mismatches(SPEC, cons.ranks[0].bufs, SPEC, [local], [remote]) == 0
+
+
+def test_a_refetch_of_a_consumer_that_did_not_restart_keeps_its_entry() -> None:
+    # a PushRequest naming another generation of a known consumer (a stale one) makes
+    # the push thread fetch its records again; the same incarnation answers: its entry,
+    # agents and any WRITE in flight to it must stay (they were dropped and released
+    # without a Cancelled, leaving the consumer's pushes quarantined)
+    RemovalLog.removed = []
+    with _producer() as prod, _consumer("c1") as cons:
+        _push(prod, cons, "a", 1, 2)
+        pusher = prod._pusher
+        entry = pusher._peers[cons.address]
+        recs = fetch_records(cons.address, None, prod.compat_hash, 5.0)
+        pusher._jobs.put(("fetched", (cons.address, recs)))  # as the stale request's fetch
+        _push(prod, cons, "b", 3, 4)  # after it on the push thread's queue
+        assert pusher._peers[cons.address] is entry
+        assert RemovalLog.removed == []
+
+
+def test_the_consumer_table_forgets_the_least_recently_used_idle_consumer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pusher_mod, "MAX_CONSUMERS", 2)
+    RemovalLog.removed = []
+    with _producer() as prod, _consumer("c1") as c1, _consumer("c2") as c2, _consumer("c3") as c3:
+        pusher = prod._pusher
+        _push(prod, c1, "a", 1, 2)
+        _push(prod, c2, "b", 1, 3)
+        _push(prod, c1, "c", 2, 4)  # c1 used again: c2 is now the least recently used
+        c2_agents = set(pusher._peers[c2.address].agents.values())
+        _push(prod, c3, "d", 1, 5)
+        assert list(pusher._peers) == [c1.address, c3.address]
+        assert set(RemovalLog.removed) == c2_agents
+        _push(prod, c2, "e", 3, 6)  # a forgotten consumer is contacted again: still exact
+        assert len(pusher._peers) == 2 and c2.address in pusher._peers
