@@ -16,7 +16,7 @@ from kvxfer.engine.leases import FreeReason
 from kvxfer.engine.producer import Producer
 from kvxfer.layout.presets import spec_for
 from kvxfer.testing import MemoryBackend
-from kvxfer.wire import PushRequest, encode_msg
+from kvxfer.wire import Abort, PushRequest, ReadDone, encode_msg
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,3 +84,26 @@ def test_a_drain_that_raises_anything_never_stops_the_engine_thread() -> None:
         assert prod.wait_freed(10)
         assert prod.pop_freed() == [("r", FreeReason.EXPIRED)]
     assert FailingOnceBackend.failures == 0  # the failing drain did run
+
+
+def test_ticketed_notices_that_overtook_their_hold_count_when_it_starts() -> None:
+    # vLLM hands out a hold's ticket with the params before its workers start the hold:
+    # a decode that gave up (Abort) or needed no block read (ReadDone) at once names a
+    # hold that does not exist yet. Dropped, they left the blocks pinned for the lease.
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+    with Producer(EngineConfig("early", model_name="tiny-gqa", lease_s=60.0),
+                  [(spec, allocate_cache(spec))], backend_factory=MemoryBackend) as prod:  # fmt: skip
+        g = prod.generation
+        prod._on_msg(0, "d", encode_msg(Abort("gone", g, "client left", 1, ticket=1000)), [])
+        prod._on_msg(0, "d", encode_msg(ReadDone("hit", g, 0, 1, 1, ticket=1001)), [])
+        prod._on_msg(0, "d", encode_msg(Abort("kept", g, "of another hold", 1, ticket=7)), [])
+        prod.hold("gone", block_ids=[1], ticket=1000)
+        prod.hold("hit", block_ids=[2], ticket=1001)
+        prod.hold("kept", block_ids=[3], ticket=1002)  # its notice named ticket 7: not this hold
+        freed: list[tuple[str, FreeReason]] = []
+        end = time.monotonic() + 10
+        while len(freed) < 2 and time.monotonic() < end:
+            prod.wait_freed(0.5)
+            freed += prod.pop_freed()
+        assert sorted(freed) == [("gone", FreeReason.ABORTED), ("hit", FreeReason.READ)]
+        assert prod.held_block_ids("kept") == frozenset({3})

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 BUSY_S = 0.0005  # drain interval while push mode is in use: a PushRequest starts a WRITE
 IDLE_S = 0.002  # otherwise: ReadDone, LeaseRenew and Abort only free or extend holds
 PUSH_ACTIVE_S = 10.0  # push mode counts as in use this long after its last PushRequest
+EARLY_NOTICE_S = 10.0  # a ticketed ReadDone/Abort that overtook its hold waits this long for it
+MAX_EARLY_NOTICES = 4096  # such notices remembered at once (oldest forgotten first)
 
 
 class Producer:
@@ -83,6 +85,9 @@ class Producer:
             self._tables = {r.rank: LeaseTable(config.lease_s) for r in self.ranks}
             self._book = TicketBook(config.hold_slots)  # hold tickets (kvxfer.engine.holds)
             self._tickets: dict[str, int] = {}  # held request -> its ticket
+            # (request, ticket) -> ticketed ReadDone/Abort notices that came before that
+            # hold started: (rank, notice, monotonic arrival); applied when it starts
+            self._early: dict[tuple[str, int], list[tuple[int, ReadDone | Abort, float]]] = {}
             self._pending_free: dict[str, set[int]] = {}
             self._held_ids: dict[str, frozenset[int]] = {}
             self._freed: list[tuple[str, FreeReason]] = []
@@ -196,7 +201,29 @@ class Producer:
             slot = slot_of(ticket, self._book.num_slots)
             for r in self.ranks:
                 r.words[slot] = held_word(ticket)
+            for rank, notice, seen in self._early.pop((request_id, ticket), []):
+                if now - seen <= EARLY_NOTICE_S:
+                    self._apply(rank, notice, now)
         return Lease(request_id, wall_ns + int(lease * 1e9), self.generation, ticket)
+
+    def _apply(self, rank: int, msg: ReadDone | Abort, now: float) -> None:
+        """A ReadDone or Abort for a request held now, on ``rank`` (lock held)."""
+        table = self._tables[rank]
+        if isinstance(msg, ReadDone):
+            # with ``now``: a read that overtook its hold counts when the hold comes
+            table.ack(msg.request_id, msg.consumer_rank,
+                      max(1, msg.consumer_size // self._tp_size), now)  # fmt: skip
+        else:
+            table.abort(msg.request_id)
+
+    def _remember_early(self, rank: int, msg: ReadDone | Abort, now: float) -> None:
+        """Keep a ticketed notice for a hold that is not (yet) held, bounded (lock held):
+        a notice for an ended hold names a ticket no later hold has, and is forgotten."""
+        self._early.setdefault((msg.request_id, msg.ticket), []).append((rank, msg, now))
+        while len(self._early) > MAX_EARLY_NOTICES:
+            del self._early[next(iter(self._early))]
+        for key in [k for k, v in self._early.items() if now - v[-1][2] > EARLY_NOTICE_S]:
+            del self._early[key]
 
     def _end_hold(self, request_id: str) -> None:
         """The hold ended: say so in its slot (before the caller may reuse the blocks) and
@@ -306,20 +333,17 @@ class Producer:
                 isinstance(msg, ReadDone | Abort)
                 and msg.ticket
                 and self._tickets.get(msg.request_id) != msg.ticket
-            ):  # about another hold of this request id (one that ended; the id was held
-                # again since): it must not free this one
-                self.num_rejected += 1
-                log.info("rank %d: notice for ended hold %d of %r dropped", rank, msg.ticket,
-                         msg.request_id)  # fmt: skip
+            ):  # about another hold of this request id: one that ended (the id may be
+                # held again since: it must not free that one), or one not started yet
+                # (vLLM hands out its ticket first): kept until that hold starts
+                self._remember_early(rank, msg, now)
+                if isinstance(msg, Abort):  # a push job of that attempt and agent stops
+                    self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
+                log.debug("rank %d: notice for hold %d of %r, not held now, kept", rank,
+                          msg.ticket, msg.request_id)  # fmt: skip
                 return
             if isinstance(msg, ReadDone):
-                # with ``now``: a read that overtook its hold counts when the hold comes
-                table.ack(
-                    msg.request_id,
-                    msg.consumer_rank,
-                    max(1, msg.consumer_size // self._tp_size),
-                    now,
-                )
+                self._apply(rank, msg, now)
             elif isinstance(msg, Abort | Failed):
                 table.abort(msg.request_id)
                 self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
