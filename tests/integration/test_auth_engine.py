@@ -74,3 +74,31 @@ def test_unsealed_notification_from_a_metadata_holder_is_not_obeyed() -> None:
             assert prod.held_blocks == 3  # never freed by the forgery
         finally:
             attacker.close()
+
+
+def test_each_receiving_agent_judges_replays_alone() -> None:
+    # one process-wide replay guard: a sender's counter runs across all its receivers,
+    # so after 1,100 notices to one rank, the one it sent before to another rank of the
+    # same process was "too old" there (dropped), when drained second
+    sender = NixlBackend("s-keyed", auth_key=KEY)
+    r1, r2 = NixlBackend("r1-keyed", auth_key=KEY), NixlBackend("r2-keyed", auth_key=KEY)
+    try:
+        to_r1, to_r2 = sender.add_remote(r1.metadata()), sender.add_remote(r2.metadata())
+        sender.send_notif(to_r2, b"first, to r2")
+        for i in range(1100):
+            sender.send_notif(to_r1, b"%d" % i)
+        got1: list[bytes] = []
+        end = time.monotonic() + 20
+        while len(got1) < 1100 and time.monotonic() < end:
+            got1 += [m for ms in r1.get_notifs().values() for m in ms]
+        assert len(got1) == 1100
+        got2: list[bytes] = []
+        while not got2 and time.monotonic() < end:
+            got2 += [m for ms in r2.get_notifs().values() for m in ms]
+            time.sleep(0.01)
+        assert got2 == [b"first, to r2"] and r2.num_unauthenticated == 0
+        # and a frame sent to r1 never opens at r2 (it is bound to its receiver)
+        assert r1.num_unauthenticated == 0
+    finally:
+        for b in (sender, r1, r2):
+            b.close()

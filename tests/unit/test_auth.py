@@ -179,3 +179,13 @@ def test_a_counter_jump_past_the_window_restarts_it_without_a_huge_shift() -> No
     s._counter = itertools.count(1)  # the old stream position: far too old now
     with pytest.raises(AuthError, match="too old"):
         open_frame(KEY, s.seal(b"old"), SIDE_REQUEST, guard=guard)
+
+
+def test_a_notification_is_bound_to_the_agent_it_was_sent_to() -> None:
+    # guards are per receiving agent: a frame sent to one rank replayed to another rank
+    # of the same process (whose guard never saw it) must not open there
+    frame = seal_notification(KEY, "E-d0-1a2b", b"rd", receiver_agent="P-p0-9f")
+    assert open_notification(KEY, "E-d0-1a2b", frame, ReplayGuard(),
+                             receiver_agent="P-p0-9f") == b"rd"  # fmt: skip
+    with pytest.raises(AuthError, match="bad MAC"):
+        open_notification(KEY, "E-d0-1a2b", frame, ReplayGuard(), receiver_agent="P-p1-9f")

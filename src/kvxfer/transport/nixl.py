@@ -51,7 +51,7 @@ from kvxfer.transport.nixl_binding import (
     xfer_state,
 )
 from kvxfer.transport.nixl_binding import bindings as _nixl
-from kvxfer.wire.auth import open_notification, seal_notification
+from kvxfer.wire.auth import ReplayGuard, open_notification, seal_notification
 
 __all__ = [
     "NIXL_INSTALL_LINE",
@@ -98,6 +98,9 @@ class NixlBackend:
     ) -> None:
         require()
         self._auth_key = auth_key
+        # this agent's own: a sender's counter runs across its receivers, so one guard
+        # shared by a process's agents took a notice drained late as "too old"
+        self._guard = ReplayGuard()
         self.num_unauthenticated = 0  # notifications dropped: not sealed with our key
         if progress_delay_us < 0 or num_threads < 0:
             raise ConfigError(
@@ -311,7 +314,8 @@ class NixlBackend:
         code = _nixl.NIXL_READ if op is XferOp.READ else _nixl.NIXL_WRITE
         with translate(f"make {op.value}", remote.remote_agent):
             if notif and self._auth_key is not None:
-                notif = seal_notification(self._auth_key, self.name, notif)
+                notif = seal_notification(self._auth_key, self.name, notif,
+                                          receiver_agent=remote.remote_agent)  # fmt: skip
             raw = agent.makeXferReq(code, lhandle, lids, rhandle, rids, notif, [], False)
         xfer = XferHandle(self, int(raw), op, remote.remote_agent, int(lids.size))
         self._xfers[xfer._live()] = xfer
@@ -364,7 +368,7 @@ class NixlBackend:
             msg: payload, delivered as bytes, in order per peer.
         """
         if self._auth_key is not None:
-            msg = seal_notification(self._auth_key, self.name, msg)
+            msg = seal_notification(self._auth_key, self.name, msg, receiver_agent=remote_agent)
         with translate("send_notif", remote_agent):
             status = self._live().genNotif(remote_agent, msg)
         if status != _nixl.NIXL_SUCCESS:
@@ -387,7 +391,8 @@ class NixlBackend:
         for name, msgs in out.items():
             for m in msgs:
                 try:
-                    opened.setdefault(name, []).append(open_notification(self._auth_key, name, m))
+                    opened.setdefault(name, []).append(open_notification(
+                        self._auth_key, name, m, self._guard, receiver_agent=self.name))  # fmt: skip
                 except Exception:  # AuthError, or anything a frame breaks: one frame only
                     self.num_unauthenticated += 1
         return opened

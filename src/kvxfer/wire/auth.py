@@ -285,8 +285,16 @@ _NOTIF_LOCK = threading.Lock()
 _NOTIF_GUARD = ReplayGuard()
 
 
-def seal_notification(key: bytes, sender_agent: str, payload: bytes) -> bytes:
-    """Seal a NIXL notification sent by agent ``sender_agent`` (one counter per agent).
+def _to(receiver_agent: str) -> bytes:
+    return b"to:" + receiver_agent.encode()
+
+
+def seal_notification(
+    key: bytes, sender_agent: str, payload: bytes, *, receiver_agent: str = ""
+) -> bytes:
+    """Seal a NIXL notification sent by agent ``sender_agent`` (one counter per agent)
+    to ``receiver_agent``: the frame opens only there (authenticated, not sent), so a
+    receiver's own replay guard suffices.
 
     The generation is random per process and agent, so a restarted sender never
     reuses (generation, counter) pairs.
@@ -298,16 +306,22 @@ def seal_notification(key: bytes, sender_agent: str, payload: bytes) -> bytes:
                 _NOTIF_SEALERS.clear()
             sealer = Sealer(key, NOTIFICATION, sender_agent)
             _NOTIF_SEALERS[(bytes(key), sender_agent)] = sealer
-    return sealer.seal(payload)
+    return sealer.seal(payload, context=_to(receiver_agent))
 
 
 def open_notification(
-    key: bytes, sender_agent: str, frame: bytes, guard: ReplayGuard | None = None
+    key: bytes,
+    sender_agent: str,
+    frame: bytes,
+    guard: ReplayGuard | None = None,
+    *,
+    receiver_agent: str = "",
 ) -> bytes:
-    """Return the payload of a notification that NIXL reports from ``sender_agent``.
+    """Return the payload of a notification that NIXL reports from ``sender_agent`` to
+    ``receiver_agent``.
 
-    The frame must be sealed with ``key`` by that same agent, fresh and never seen
-    before (``guard``: default one process-wide guard).
+    The frame must be sealed with ``key`` by that same agent for that receiver, fresh
+    and never seen before (``guard``: the receiver's own; default one process-wide).
 
     Raises:
         AuthError: unsealed, forged, sealed by another agent, stale or replayed.
@@ -318,5 +332,6 @@ def open_notification(
         NOTIFICATION,
         sender=sender_agent,
         guard=_NOTIF_GUARD if guard is None else guard,
+        context=_to(receiver_agent),
     )
     return opened.payload
