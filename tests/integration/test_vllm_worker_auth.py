@@ -14,12 +14,10 @@ import pytest
 from kvxfer.errors import AuthError
 from kvxfer.integrations.vllm.extra import ExtraConfig
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
-from kvxfer.integrations.vllm.params import RemotePrefill
-from kvxfer.integrations.vllm.scheduler import LoadJob
 from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
 from kvxfer.testing import fill, mismatches
 from kvxfer.transport.side_client import fetch_records
-from tests.integration.vllm_worker_util import finish
+from tests.integration.vllm_worker_util import load_held
 
 torch = pytest.importorskip("torch")
 
@@ -64,12 +62,8 @@ def test_keyed_vllm_engines_move_exact_bytes_and_refuse_the_unkeyed(
         for name, side in decodes.items():
             side.register(d_tensors[name])
         for name, side in decodes.items():
-            lease = prod.hold(name, block_ids=list(BLOCKS))
-            remote = RemotePrefill("auth-p", name, prod.address, (prod.generation,), BLOCKS,
-                                   T, 1, len(BLOCKS) * T, hold_ticket=lease.ticket)  # fmt: skip
             with caplog.at_level(logging.WARNING, logger="kvxfer"):
-                side.start([LoadJob(f"d-{name}", remote, BLOCKS, BLOCKS)], [])
-                errors = finish(side, f"d-{name}")
+                errors = load_held(prod, side, name, BLOCKS, T)
             _, d_bufs = spec_from_vllm_tensors(d_tensors[name], backend="CPU_ATTN",
                                                block_size=T, num_kv_heads=H)  # fmt: skip
             bad = mismatches(spec, d_bufs, spec, list(BLOCKS), list(BLOCKS))

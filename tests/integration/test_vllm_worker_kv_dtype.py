@@ -10,11 +10,9 @@ import logging
 import pytest
 
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
-from kvxfer.integrations.vllm.params import RemotePrefill
-from kvxfer.integrations.vllm.scheduler import LoadJob
 from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, kv_cache_dtype
 from kvxfer.testing import fill, mismatches
-from tests.integration.vllm_worker_util import finish
+from tests.integration.vllm_worker_util import load_held
 
 torch = pytest.importorskip("torch")
 
@@ -60,12 +58,8 @@ def test_a_decode_never_reads_an_fp8_cache_of_the_other_format(
         assert prod is not None
         for name, side in decodes.items():
             side.register(d_tensors[name])
-            lease = prod.hold(name, block_ids=list(BLOCKS))
-            remote = RemotePrefill("kvd-p", name, prod.address, (prod.generation,), BLOCKS,
-                                   T, 1, len(BLOCKS) * T, hold_ticket=lease.ticket)  # fmt: skip
             with caplog.at_level(logging.WARNING, logger="kvxfer"):
-                side.start([LoadJob(f"d-{name}", remote, BLOCKS, BLOCKS)], [])
-                errors = finish(side, f"d-{name}")
+                errors = load_held(prod, side, name, BLOCKS, T)
             _, d_bufs = spec_from_vllm_tensors(d_tensors[name], backend="CPU_ATTN",
                                                block_size=T, num_kv_heads=H)  # fmt: skip
             if name == "same":
