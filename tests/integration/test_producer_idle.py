@@ -107,3 +107,19 @@ def test_ticketed_notices_that_overtook_their_hold_count_when_it_starts() -> Non
             freed += prod.pop_freed()
         assert sorted(freed) == [("gone", FreeReason.ABORTED), ("hit", FreeReason.READ)]
         assert prod.held_block_ids("kept") == frozenset({3})
+
+
+def test_early_notices_are_bounded_and_expire_from_their_first_arrival() -> None:
+    # a stream of notices naming one unheld hold (a key holder, or anyone unkeyed) must
+    # neither grow its list nor keep it alive past EARLY_NOTICE_S from its first one
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+    with Producer(EngineConfig("flood", model_name="tiny-gqa"), [(spec, allocate_cache(spec))],
+                  backend_factory=MemoryBackend) as prod:  # fmt: skip
+        g, t0 = prod.generation, 1000.0
+        with prod._lock:
+            for i in range(2000):  # 2,000 notices over 20 s
+                prod._remember_early(0, Abort("flood", g, "", 1, ticket=5), t0 + i * 0.01)
+            assert len(prod._early[("flood", 5)]) <= producer_mod.MAX_NOTICES_PER_HOLD
+            prod._remember_early(0, Abort("other", g, "", 1, ticket=6), t0 + 20.5)
+            assert ("flood", 5) not in prod._early  # its first notice came 20.5 s ago
+            assert ("other", 6) in prod._early

@@ -189,3 +189,16 @@ def test_a_notification_is_bound_to_the_agent_it_was_sent_to() -> None:
                              receiver_agent="P-p0-9f") == b"rd"  # fmt: skip
     with pytest.raises(AuthError, match="bad MAC"):
         open_notification(KEY, "E-d0-1a2b", frame, ReplayGuard(), receiver_agent="P-p1-9f")
+
+
+def test_counters_run_per_receiver_so_a_notice_delivered_late_is_not_too_old() -> None:
+    # a WriteDone is sealed when its WRITE is made and arrives when it ends; meanwhile
+    # the sender seals notices to other consumers. With one counter for all receivers,
+    # the next notice to this receiver jumped its window past the late one ("too old").
+    guard, sender = ReplayGuard(), "S-per-receiver-test"
+    late = seal_notification(KEY, sender, b"late", receiver_agent="R2")
+    for _ in range(1100):
+        seal_notification(KEY, sender, b"", receiver_agent="R1")
+    now = seal_notification(KEY, sender, b"now", receiver_agent="R2")
+    assert open_notification(KEY, sender, now, guard, receiver_agent="R2") == b"now"
+    assert open_notification(KEY, sender, late, guard, receiver_agent="R2") == b"late"

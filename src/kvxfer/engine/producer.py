@@ -33,7 +33,8 @@ BUSY_S = 0.0005  # drain interval while push mode is in use: a PushRequest start
 IDLE_S = 0.002  # otherwise: ReadDone, LeaseRenew and Abort only free or extend holds
 PUSH_ACTIVE_S = 10.0  # push mode counts as in use this long after its last PushRequest
 EARLY_NOTICE_S = 10.0  # a ticketed ReadDone/Abort that overtook its hold waits this long for it
-MAX_EARLY_NOTICES = 4096  # such notices remembered at once (oldest forgotten first)
+MAX_EARLY_NOTICES = 4096  # holds with such notices remembered at once (oldest forgotten first)
+MAX_NOTICES_PER_HOLD = 64  # notices kept for one of them (a ReadDone or Abort per consumer rank)
 
 
 class Producer:
@@ -218,12 +219,20 @@ class Producer:
 
     def _remember_early(self, rank: int, msg: ReadDone | Abort, now: float) -> None:
         """Keep a ticketed notice for a hold that is not (yet) held, bounded (lock held):
-        a notice for an ended hold names a ticket no later hold has, and is forgotten."""
-        self._early.setdefault((msg.request_id, msg.ticket), []).append((rank, msg, now))
-        while len(self._early) > MAX_EARLY_NOTICES:
-            del self._early[next(iter(self._early))]
-        for key in [k for k, v in self._early.items() if now - v[-1][2] > EARLY_NOTICE_S]:
-            del self._early[key]
+        a notice for an ended hold names a ticket no later hold has, and is forgotten
+        ``EARLY_NOTICE_S`` after the first notice for that hold came (holds are kept in
+        that order, so the expired ones are at the front: no scan of the rest)."""
+        notices = self._early.setdefault((msg.request_id, msg.ticket), [])
+        if len(notices) < MAX_NOTICES_PER_HOLD:
+            notices.append((rank, msg, now))
+        while self._early:
+            first = next(iter(self._early))
+            if (
+                len(self._early) <= MAX_EARLY_NOTICES
+                and now - self._early[first][0][2] <= EARLY_NOTICE_S
+            ):
+                break
+            del self._early[first]
 
     def _end_hold(self, request_id: str) -> None:
         """The hold ended: say so in its slot (before the caller may reuse the blocks) and

@@ -280,7 +280,7 @@ def open_frame(
 
 # ---------------------------------------------------------------- notifications
 
-_NOTIF_SEALERS: dict[tuple[bytes, str], Sealer] = {}
+_NOTIF_SEALERS: dict[tuple[bytes, str, str], Sealer] = {}
 _NOTIF_LOCK = threading.Lock()
 _NOTIF_GUARD = ReplayGuard()
 
@@ -292,20 +292,23 @@ def _to(receiver_agent: str) -> bytes:
 def seal_notification(
     key: bytes, sender_agent: str, payload: bytes, *, receiver_agent: str = ""
 ) -> bytes:
-    """Seal a NIXL notification sent by agent ``sender_agent`` (one counter per agent)
-    to ``receiver_agent``: the frame opens only there (authenticated, not sent), so a
-    receiver's own replay guard suffices.
+    """Seal a NIXL notification sent by agent ``sender_agent`` to ``receiver_agent``: the
+    frame opens only there (the receiver's name is authenticated, not sent), and each
+    (sender, receiver) pair has its own counter, so a receiver's own replay guard
+    judges it alone: notices sealed meanwhile to other receivers do not move its
+    window past one delivered late (a WriteDone is sealed when its WRITE is made).
 
-    The generation is random per process and agent, so a restarted sender never
-    reuses (generation, counter) pairs.
+    The generation is random per process and pair, so a restarted sender never reuses
+    (generation, counter) pairs.
     """
+    pair = (bytes(key), sender_agent, receiver_agent)
     with _NOTIF_LOCK:
-        sealer = _NOTIF_SEALERS.get((bytes(key), sender_agent))
+        sealer = _NOTIF_SEALERS.get(pair)
         if sealer is None:
             if len(_NOTIF_SEALERS) >= 4096:  # bounded: agents come and go
                 _NOTIF_SEALERS.clear()
             sealer = Sealer(key, NOTIFICATION, sender_agent)
-            _NOTIF_SEALERS[(bytes(key), sender_agent)] = sealer
+            _NOTIF_SEALERS[pair] = sealer
     return sealer.seal(payload, context=_to(receiver_agent))
 
 
