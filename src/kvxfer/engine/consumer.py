@@ -32,6 +32,7 @@ from kvxfer.planning.request import RequestIds, plan_request
 from kvxfer.transport.backend import BackendFactory
 from kvxfer.transport.nixl import XferOp
 from kvxfer.transport.side_channel import SideChannelServer
+from kvxfer.wire import compat_hash
 
 __all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in peer.py, transfer.py
 
@@ -68,7 +69,8 @@ class Consumer(FirstContact):
         self._closed = False
         self._engine_lock = threading.RLock()  # NIXL calls + peer bookkeeping (see class doc)
         self.generation = new_generation()
-        self.compat_hash = config.compat_hash(ranks[0][0])
+        self.facts = config.facts(ranks[0][0])
+        self.compat_hash = compat_hash(self.facts)
         self._lock = threading.Lock()
         self._peers: dict[str, PeerInfo] = {}
         self._watched: dict[str, tuple[float, float]] = {}
@@ -84,9 +86,7 @@ class Consumer(FirstContact):
                 )
             records = encode_records(self.ranks.values(), self.generation, self.compat_hash)
             # push mode: producers fetch this engine's records here
-            self.server: SideChannelServer | None = serve_records(
-                config, records, config.facts(ranks[0][0])
-            )
+            self.server: SideChannelServer | None = serve_records(config, records, self.facts)
         except BaseException:
             self.close()
             raise

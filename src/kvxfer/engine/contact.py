@@ -25,25 +25,11 @@ from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache
 from kvxfer.engine.transfer import Transfer
 from kvxfer.engine.waiting import Progress
-from kvxfer.errors import (
-    ClosedError,
-    ConfigError,
-    IncompatibleError,
-    KvxferError,
-    LayoutError,
-    PeerLostError,
-)
+from kvxfer.errors import ClosedError, ConfigError, KvxferError, LayoutError, PeerLostError
 from kvxfer.layout.model import MemKind, region_places, single_place
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.transport.side_client import fetch_records
-from kvxfer.wire import (
-    Heartbeat,
-    LayoutRecord,
-    ModelFacts,
-    encode_msg,
-    explain_mismatch,
-    layout_from_record,
-)
+from kvxfer.wire import Heartbeat, LayoutRecord, ModelFacts, encode_msg, layout_from_record
 
 __all__ = ["FirstContact"]
 
@@ -57,6 +43,7 @@ class FirstContact:
     """Peers of a consumer: contact, drop, recheck. Thread-safe (see Consumer)."""
 
     config: EngineConfig
+    facts: ModelFacts  # this engine's model facts (its compat hash is theirs)
     compat_hash: str
     ranks: dict[int, RankCache]
     _closed: bool
@@ -214,24 +201,19 @@ class FirstContact:
 
     def _fetch_records(self, peer: PeerInfo) -> dict[str, list[LayoutRecord]]:
         """Every rank's record from each of the peer's endpoints (this engine's hash, timeout
-        and key); raises like :func:`fetch_records`, an IncompatibleError naming the model
-        facts that differ where the peer said its own."""
-        try:
-            return {
-                ep: fetch_records(
-                    ep,
-                    None,
-                    self.compat_hash,
-                    self.config.handshake_timeout_s,
-                    auth_key=self.config.auth_key,
-                )
-                for ep in peer.endpoints
-            }
-        except IncompatibleError as e:
-            raise IncompatibleError(explain_mismatch(str(e), self._facts())) from None
-
-    def _facts(self) -> ModelFacts:
-        return self.config.facts(next(iter(self.ranks.values())).spec)
+        and key); raises like :func:`fetch_records` (an IncompatibleError names the model
+        facts that differ)."""
+        return {
+            ep: fetch_records(
+                ep,
+                None,
+                self.compat_hash,
+                self.config.handshake_timeout_s,
+                auth_key=self.config.auth_key,
+                facts=self.facts,
+            )
+            for ep in peer.endpoints
+        }
 
     def _handshake(self, peer: PeerInfo) -> None:
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ from kvxfer.wire import (
     LeaseRenew,
     PushRequest,
     ReadDone,
+    compat_hash,
     decode_msg,
 )
 
@@ -71,7 +72,8 @@ class Producer:
         config.check()
         self.config = config
         self.generation = new_generation()
-        self.compat_hash = config.compat_hash(ranks[0][0])
+        self.facts = config.facts(ranks[0][0])  # what its compat hash covers
+        self.compat_hash = compat_hash(self.facts)
         self._tp_size = ranks[0][0].tp_size
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -96,7 +98,7 @@ class Producer:
             self.num_rejected = 0
             self.num_errors = 0
             records = encode_records(self.ranks, self.generation, self.compat_hash, holds=True)
-            self.server = serve_records(config, records, config.facts(ranks[0][0]))
+            self.server = serve_records(config, records, self.facts)
             self._pusher = PushWorker(
                 {r.rank: r for r in self.ranks},
                 self.generation,
@@ -107,7 +109,7 @@ class Producer:
                 strided=config.strided,
                 run_blocks=config.run_blocks,
                 auth_key=config.auth_key,
-                facts=config.facts(ranks[0][0]),
+                facts=self.facts,
             )
         except BaseException:
             self.close()

@@ -35,7 +35,6 @@ from kvxfer.engine.push_peer import ConsumerPeer, PushJob, consumer_peer
 from kvxfer.engine.rank import RankCache
 from kvxfer.errors import (
     HoldEndedError,
-    IncompatibleError,
     KvxferError,
     PeerLostError,
     TransferError,
@@ -50,7 +49,6 @@ from kvxfer.wire import (
     PushRequest,
     WriteDone,
     encode_msg,
-    explain_mismatch,
 )
 from kvxfer.wire.messages import Cancelled
 
@@ -62,9 +60,8 @@ log = logging.getLogger(__name__)
 MAX_CANCELLED = 4096  # remembered cancelled attempts (a bounded LRU)
 MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived thread)
 MAX_PARKED = 256  # pushes waiting for one consumer's records
-MAX_CONSUMERS = (
-    1024  # consumer engines known at once; past it the least recently used idle one is forgotten
-)
+# consumer engines known at once; past it the least recently used idle one is forgotten
+MAX_CONSUMERS = 1024
 
 
 _Cmd = tuple[str, object] | None
@@ -272,14 +269,9 @@ class PushWorker:
     def _fetch(self, address: str) -> None:
         try:
             out: list[LayoutRecord] | Exception = fetch_records(
-                address, None, self._hash, self._timeout_s, auth_key=self._auth_key
-            )
-        except IncompatibleError as e:
-            out = (
-                e
-                if self._facts is None
-                else IncompatibleError(explain_mismatch(str(e), self._facts))
-            )
+                address, None, self._hash, self._timeout_s, auth_key=self._auth_key,
+                facts=self._facts,
+            )  # fmt: skip
         except Exception as e:  # handed to the push thread, which fails the jobs typed
             out = e
         self._jobs.put(("fetched", (address, out)))

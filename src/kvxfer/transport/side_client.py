@@ -16,10 +16,12 @@ from kvxfer.wire import (
     ErrorReply,
     GetRecords,
     LayoutRecord,
+    ModelFacts,
     Records,
     decode_record,
     decode_side,
     encode_side,
+    explain_mismatch,
 )
 from kvxfer.wire.auth import (
     ENV_KEY,
@@ -82,8 +84,13 @@ def fetch_records(
     timeout_s: float,
     *,
     auth_key: bytes | None = None,
+    facts: ModelFacts | None = None,
 ) -> list[LayoutRecord]:
     """Fetch and decode the handshake records of ``ranks`` (None: all) from ``address``.
+
+    ``facts``: the caller's model facts (what ``expected_hash`` covers); a server that
+    refuses the hash names its own, and the IncompatibleError then names those that
+    differ.
 
     Uses a fresh DEALER socket per call, so it is thread-safe. The peer gets
     ``timeout_s`` to answer, counted from the request being queued: a caller held up
@@ -137,7 +144,10 @@ def fetch_records(
             )
         cls = IncompatibleError if reply.code == "incompatible" else ProtocolError
         cls = AuthError if reply.code == "unauthorized" else cls
-        raise cls(f"side channel {address}: {reply.code}: {reply.message}")
+        message = reply.message
+        if cls is IncompatibleError and facts is not None:
+            message = explain_mismatch(message, facts)
+        raise cls(f"side channel {address}: {reply.code}: {message}")
     if not isinstance(reply, Records):
         raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")
     if ranks is not None and len(reply.records) != len(ranks):

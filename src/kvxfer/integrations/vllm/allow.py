@@ -23,7 +23,7 @@ from typing import Any
 
 from kvxfer.errors import ConfigError
 
-__all__ = ["Allowed", "allowed_prefills", "refuse_address"]
+__all__ = ["Allowed", "allowed_prefills", "is_decimal", "refuse_address"]
 
 KEY = "kv_connector_extra_config.allowed_prefills"
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
@@ -40,10 +40,13 @@ class Allowed:
     port: int | None = None
 
 
+def is_decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit takes "²" (int() refuses it) and int() takes "٧"."""
+    return text.isascii() and text.isdigit()
+
+
 def _port(text: str) -> int | None:
-    # ASCII digits only: str.isdigit takes "²" (int() refuses it) and int() takes "٧"
-    ok = text.isascii() and text.isdigit()
-    return int(text) if ok and 0 < int(text) < 65536 else None
+    return int(text) if is_decimal(text) and 0 < int(text) < 65536 else None
 
 
 def _host_port(text: str, port_required: bool) -> tuple[str, int | None] | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvxfer.engine.config import check_hold_slots, check_seconds
 from kvxfer.errors import ConfigError, LayoutError
-from kvxfer.integrations.vllm.allow import Allowed, allowed_prefills, refuse_address
+from kvxfer.integrations.vllm.allow import Allowed, allowed_prefills, is_decimal, refuse_address
 from kvxfer.wire.auth import ENV_KEY, MIN_KEY_BYTES, load_auth_key
 
 __all__ = [
@@ -65,11 +65,6 @@ class ExtraConfig:
     transfer_mode: str = "pull"  # decode side: "pull" (READ) or "push" (the prefill WRITEs)
     allowed_prefills: tuple[Allowed, ...] | None = None  # None: any prefill
     auth_key: bytes | None = field(default=None, repr=False)  # a secret: never in repr or logs
-
-
-def _is_decimal(text: str) -> bool:
-    """ASCII digits only: str.isdigit takes "²" (int() refuses it) and int() takes "٧"."""
-    return text.isascii() and text.isdigit()
 
 
 def peer_list(value: Any, allowed: tuple[Allowed, ...] | None = None) -> tuple[str, ...]:
@@ -132,7 +127,7 @@ def hold_slots(value: Any) -> int:
     Raises:
         ConfigError: naming the key, for anything but an integer in [1, 2**24].
     """
-    if isinstance(value, str) and _is_decimal(value.strip()):
+    if isinstance(value, str) and is_decimal(value.strip()):
         value = int(value)
     return check_hold_slots(f"{PREFIX}.hold_slots", value)
 
@@ -204,7 +199,7 @@ def auth_key(
 
 
 def _port(name: str, value: Any) -> int:
-    if isinstance(value, str) and _is_decimal(value.strip()):
+    if isinstance(value, str) and is_decimal(value.strip()):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ConfigError(f"{PREFIX}.{name} must be a port in [0, 65535], got {value!r}")
