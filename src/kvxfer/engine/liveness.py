@@ -53,10 +53,11 @@ CONNECT_TIMEOUT_S = 0.5  # the refused-connection check (a refusal comes at once
 def listener_gone(endpoint: str, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
     """True when ``endpoint`` ("tcp://host:port") is on this host and a TCP connection to
     it is refused at every address its host resolves to (IPv4, as ZMQ connects it):
-    nothing listens there, so the process that served it exited (or closed it). False when it connects or times out (alive, stopped or unreachable), for
-    endpoints that are not TCP, and for other hosts: a refusal from another host may come
-    from a firewall while the process behind it lives (this machine's own network
-    rejects connections to unknown hosts that way), so it proves nothing."""
+    nothing listens there, so the process that served it exited (or closed it). False
+    when it connects or times out (alive, stopped or unreachable), for endpoints that
+    are not TCP, and for other hosts: a refusal from another host may come from a
+    firewall while the process behind it lives (this machine's own network rejects
+    connections to unknown hosts that way), so it proves nothing."""
     if not endpoint.startswith("tcp://"):
         return False
     host, _, port = endpoint[len("tcp://") :].rpartition(":")

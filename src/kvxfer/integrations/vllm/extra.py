@@ -260,7 +260,8 @@ def parse_extra(
     ``env``: where ``$KVXFER_AUTH_KEY`` is looked up (default the process environment).
     ``read_key`` False (the scheduler's role: only the workers' engines use the key):
     ``auth_key`` stays None, and neither the key file nor the environment is read, so
-    the scheduler process never holds the secret and does not repeat the workers'
+    the connector's scheduler side never holds the secret (with TP 1, vLLM runs a
+    worker in the same process, whose side does) and does not repeat the workers'
     warning about the file's mode; ``auth_key_file`` is still checked to be a path and
     an inline ``auth_key`` is still refused.
 

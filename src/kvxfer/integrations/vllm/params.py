@@ -138,9 +138,9 @@ def prompt_hash(token_ids: Sequence[int], context: Sequence[Sequence[str]] = ())
 def prompt_context(request: Any) -> tuple[tuple[str, ...], ...]:
     """What decides a request's KV besides its token ids, as vLLM's request holds it:
     its LoRA adapter (by name: the instances of one deployment load an adapter under
-    one name), its ``cache_salt``, and each multimodal input's content hash and place.
-    vLLM keys its own prefix cache on the same things. Attributes an engine's requests
-    lack count as absent."""
+    one name, perhaps from different paths, so its path is left out, though vLLM's own
+    prefix cache keys on it too), its ``cache_salt``, and each multimodal input's
+    content hash and place. Attributes an engine's requests lack count as absent."""
     out: list[tuple[str, ...]] = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
