@@ -84,3 +84,28 @@ def test_an_announcement_naming_a_dead_address_costs_only_a_log_line() -> None:
         assert fetches == [dead]
         _push_ok(spec, local, cons, prod, "r1", 4, 11)  # the producer serves on
         assert prod.num_rejected == 0
+
+
+def test_an_announced_consumer_of_another_model_is_refused_naming_what_differs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the producer's own contact with a consumer (here announced ahead of its pushes)
+    # names the model facts that differ, as a consumer's contact does; nothing is added
+    from kvxfer.engine import Consumer, EngineConfig, allocate_cache
+
+    with local_pair(16) as (spec, local, prod, cons):
+        fetches = _count_fetches(prod)
+        peer = cons.connect(prod.address)
+        other_cfg = EngineConfig("d2", model_name="tiny-gqa", kv_dtype="fp8_e5m2")
+        with Consumer(other_cfg, [(spec, allocate_cache(spec))]) as other:
+            with caplog.at_level("INFO", logger="kvxfer.engine.pusher"):
+                announce = Heartbeat(prod.generation, other.address, 7)
+                cons.ranks[0].backend.send_notif(peer.agents[0], encode_msg(announce))
+                assert _until(lambda: "differ in" in caplog.text)
+            assert fetches == [other.address]
+            assert other.address not in prod._pusher._peers
+            line = next(r.getMessage() for r in caplog.records if "differ in" in r.getMessage())
+            assert f"contacting consumer {other.address} ahead of its pushes failed" in line
+            assert "the models differ in kv_dtype: 'fp8_e5m2' there, 'bfloat16' here" in line, line
+            assert "model_name" not in line.split("differ in", 1)[1], line
+        _push_ok(spec, local, cons, prod, "r1", 4, 11)  # the producer serves on
