@@ -10,7 +10,12 @@ import logging
 import pytest
 
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
-from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, kv_cache_dtype
+from kvxfer.integrations.vllm.worker import (
+    WorkerSettings,
+    WorkerSide,
+    kv_cache_dtype,
+    model_identity,
+)
 from kvxfer.testing import fill, mismatches
 from tests.integration.vllm_worker_util import load_held
 
@@ -29,6 +34,14 @@ def test_the_cache_dtype_is_the_models_unless_vllm_was_given_one() -> None:
     assert kv_cache_dtype("float16", "fp8") == "fp8_e4m3"  # vLLM: "fp8" is e4m3
     assert kv_cache_dtype("float16", "fp8_e4m3") == "fp8_e4m3"
     assert kv_cache_dtype("float16", "bfloat16") == "bfloat16"
+
+
+def test_the_default_model_name_is_where_the_weights_came_from() -> None:
+    # not the architecture's model_type ("llama"): fine-tunes share it (and KV shapes)
+    assert model_identity("/models/llama-ft-a") == "/models/llama-ft-a"
+    assert model_identity("org/llama-ft-b", "main") == "org/llama-ft-b@main"
+    assert model_identity("org/llama-ft-b", None) == "org/llama-ft-b"
+    assert model_identity("org/llama-ft-b", "v2") != model_identity("org/llama-ft-b", "v1")
 
 
 def _side(role: str, cache_dtype: str) -> WorkerSide:

@@ -151,3 +151,13 @@ def test_transfers_show_in_vllms_own_metrics(ci: dict[str, Any]) -> None:
     assert pre["vllm:kvxfer_holds_released{engine=0,reason=read}"] == 4, pre
     assert any("KV Transfer metrics: loads=4, failed_loads=0" in ln for ln in ci["stats_log"])
     print(f"[measure] prefill silences forgiven by silence_s: {ci['silences']}")
+
+
+def test_a_decode_of_another_model_never_takes_its_kv(ci: dict[str, Any]) -> None:
+    # a decode of other weights under the same architecture (a fine-tune of the same
+    # base): the KV's shapes agree, so only the model's identity can refuse it
+    other = ci["other_weights"]
+    assert other["prefill_ref"] != other["ref"], "the two models decode alike: no control"
+    assert other["finish_reason"] == "length"
+    assert other["tokens"] == other["ref"], "decoded from another model's KV"
+    assert any("the models differ in model_name" in ln for ln in other["log"]), other["log"]

@@ -43,6 +43,7 @@ from typing import Any
 
 from kvxfer.integrations.vllm.params import prompt_hash
 from kvxfer.testing.ports import free_port
+from kvxfer.testing.tiny_model import build
 from kvxfer.testing.vllm_pd import Instance, make_prompts, side_channel_refusals, write_key_file
 
 __all__ = ["SCENARIOS", "main", "prompt_set"]
@@ -91,9 +92,17 @@ STALL_TOLERANT = {"silence_s": 60.0, "deadline_s": 90.0}  # the prefill holds 12
 
 
 def _start(role: str, a: argparse.Namespace, connector: str | None, cpus: str, tp: int = 1,
-           **opts: Any) -> Instance:  # fmt: skip
-    return Instance(role, model=a.model, connector=connector, cpus=cpus, log_dir=a.log_dir,
-                    tp_size=tp, **opts)  # fmt: skip
+           model: str | None = None, **opts: Any) -> Instance:  # fmt: skip
+    return Instance(role, model=model or a.model, connector=connector, cpus=cpus,
+                    log_dir=a.log_dir, tp_size=tp, **opts)  # fmt: skip
+
+
+def other_model(a: argparse.Namespace) -> str:
+    """A second tiny model: the same architecture and shapes as ``a.model``, other
+    weights (another seed), as a fine-tune of the same base model would be."""
+    path = f"{a.model.rstrip('/')}-other"
+    build(path, layers=2, kv_heads=2, seed=4321)
+    return path
 
 
 def _refs(inst: Instance, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -164,6 +173,16 @@ def _other_salt(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> 
             "log": _log_lines(d, "made for another prompt")[seen:]}  # fmt: skip
 
 
+def _other_weights(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> dict[str, Any]:
+    """The prefill's params on a decode of another model of the same architecture
+    (``d``): its KV has the same shapes, so only the model's identity can tell it is
+    not this model's. The decode must compute the prompt itself (tokens equal its own
+    colocated run), never decode from the other model's KV."""
+    own = list(d.gen(prompt, MAX_TOKENS)["tokens"])  # its own colocated run
+    rec = _pd(p, d, prompt, own)
+    return {**rec, "prefill_ref": ref, "log": _log_lines(d, "differ in")}
+
+
 def _released(p: Instance, n: int, timeout_s: float = 10) -> dict[str, float]:
     """The prefill's kvxfer metrics once ``n`` holds were released by reads, or as they
     are at ``timeout_s``. The last ReadDone may reach the prefill after the decode's
@@ -202,7 +221,8 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     elsewhere = make_prompts(1, VOCAB, [60], seed=23)[0]
     salted = make_prompts(1, VOCAB, [50], seed=29)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
-    keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all four
+    other = other_model(a)
+    keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all five
     # the prefill and the first decode with vLLM's stats path on (its metrics are checked)
     p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed,
                log_stats=True)  # fmt: skip
@@ -215,9 +235,13 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     # push mode: the prefill WRITEs into this decode's blocks
     d3 = _start("decode3", a, "kvxfer", "1", failure_policy="recompute",
                 extra={"transfer_mode": "push", **keyed, **STALL_TOLERANT})  # fmt: skip
+    # another model of the same architecture (other weights)
+    d4 = _start("decode-other", a, "kvxfer", "1", model=other, failure_policy="recompute",
+                extra={**keyed, **STALL_TOLERANT})  # fmt: skip
     try:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
-                "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready()}  # fmt: skip
+                "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready(),
+                "decode_other_s": d4.wait_ready()}  # fmt: skip
         refs = _refs(p, [*prompts, neg, par, two, two_push, elsewhere, salted])
         ref = dict(zip(("neg", "par", "two", "two_push", "elsewhere", "salted"),
                        refs[len(prompts):], strict=True))  # fmt: skip
@@ -235,6 +259,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
                      "negative": _negative(p, d3, neg, ref["neg"])},
             "push_two_engines": _two_engines(p, d, d3, two_push, ref["two_push"], pool),
             "salt": _other_salt(p, d, salted, ref["salted"]),
+            "other_weights": _other_weights(p, d4, prompts[1], refs[1]),
             "auth": side_channel_refusals(records[0]["params"]["kvxfer"]["address"]),
             "metrics": metrics, "stats_log": _log_lines(d, "KV Transfer metrics"),
             # silences of the prefill that silence_s forgave (measured, not asserted)
@@ -245,6 +270,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         d.stop()
         d2.stop()
         d3.stop()
+        d4.stop()
 
 
 def _evidence(*insts: Instance, n: int = 4) -> list[str]:
@@ -408,8 +434,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lease-s", type=float, default=3.0, help="prefill lease (faults)")
     ap.add_argument("--port", type=int, default=0, help="prefill side-channel port (faults)")
     a = ap.parse_args(argv)
-    from kvxfer.testing.tiny_model import build
-
     os.makedirs(a.log_dir, exist_ok=True)
     t0 = time.perf_counter()
     build(a.model, layers=2, kv_heads=2)

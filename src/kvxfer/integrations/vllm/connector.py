@@ -39,7 +39,12 @@ from kvxfer.integrations.vllm.scheduler import (
     ProducerRank,
     SchedulerSide,
 )
-from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide, kv_cache_dtype
+from kvxfer.integrations.vllm.worker import (
+    WorkerSettings,
+    WorkerSide,
+    kv_cache_dtype,
+    model_identity,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -191,7 +196,8 @@ class KvxferConnector(KVConnectorBase_V1):
             backend=_backend_name(cfg, names),
             is_producer=kv.is_kv_producer,
             is_consumer=kv.is_kv_consumer,
-            model_name=self._extra.model_name or str(cfg.model_config.hf_config.model_type),
+            model_name=self._extra.model_name
+            or model_identity(str(cfg.model_config.model), cfg.model_config.revision),
             dtype=dtype,
             extra=self._extra,
             kv_dtype=kv_cache_dtype(dtype, str(getattr(cfg.cache_config, "cache_dtype", "auto"))),

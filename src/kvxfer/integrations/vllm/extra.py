@@ -57,7 +57,7 @@ class ExtraConfig:
     lease_s: float = 120.0  # how long a prefill holds blocks nobody reads
     heartbeat_s: float = 1.0  # decode-side liveness checks and lease renewals
     silence_s: float = 10.0  # a prefill silent this long (and 3 heartbeats) is dropped
-    model_name: str = ""  # in the compatibility hash; "": the model's model_type
+    model_name: str = ""  # in the compatibility hash; "": the model's path or Hub id
     prefill_peers: tuple[str, ...] = ()  # producer addresses to contact at start
     preconnect_s: float = 600.0  # how long to keep trying an unreachable one
     idle_wait_s: float = 0.002  # a step that ran no tokens waits this long for a transfer

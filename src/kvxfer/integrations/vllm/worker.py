@@ -93,6 +93,15 @@ def kv_cache_dtype(model_dtype: str, cache_dtype: str) -> str:
     return "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
 
 
+def model_identity(model: str, revision: str | None = None) -> str:
+    """The default ``model_name`` of the compatibility hash: what vLLM loaded the weights
+    from (``--model``, a Hub id or a path) and its ``--revision``. Not the architecture's
+    ``model_type``: two fine-tunes of one base model have KV of the same shapes, and a
+    decode of one would decode from the other's KV. Instances that load the same
+    weights from different paths set ``model_name`` to one name on both sides."""
+    return f"{model}@{revision}" if revision else model
+
+
 @dataclass(slots=True)
 class _Load:
     job: LoadJob
