@@ -68,3 +68,65 @@ def test_only_the_worker_role_reads_the_key_file(vllm_ready: None, tmp_path: Pat
             "ConfigError: kvxfer's connector does not support pipeline "
             "parallelism (pipeline_parallel_size 2)"
         ), (role, text)
+
+
+GROUPS = """
+import json, sys, types
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+    MLAAttentionSpec, SlidingWindowSpec,
+)
+from kvxfer.errors import ConfigError
+from kvxfer.integrations.vllm.connector import KvxferConnector
+
+kv = KVTransferConfig(
+    kv_connector="KvxferConnector", kv_role="kv_both", engine_id="groups",
+    kv_connector_module_path="kvxfer.integrations.vllm.connector",
+)
+config = types.SimpleNamespace(
+    kv_transfer_config=kv, cache_config=types.SimpleNamespace(block_size=32),
+    parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+)
+shape = dict(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+specs = {
+    "full": FullAttentionSpec(**shape),
+    "mla": MLAAttentionSpec(**{**shape, "num_kv_heads": 1}),
+    "sliding": SlidingWindowSpec(**shape, sliding_window=64),
+    "chunked": ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64),
+}
+out = {}
+for name, spec in specs.items():
+    kcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.attn"], spec)])
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        try:
+            KvxferConnector(config, role, kcc)
+            out[f"{name} {role.name}"] = "started"
+        except ConfigError as e:
+            out[f"{name} {role.name}"] = f"ConfigError: {e}"
+print(json.dumps(out))
+"""
+
+
+def test_caches_that_drop_blocks_are_refused_at_start(vllm_ready: None) -> None:
+    # a sliding-window (or chunked local) cache: vLLM swaps the blocks a request no
+    # longer attends to for its null block, in the prefill's offer and in the decode's
+    # allocation; loads would name that one block many times, and a failed one would
+    # report it as an error of every request that holds it
+    r = subprocess.run([vllm_python(), "-c", GROUPS], capture_output=True, text=True,
+                       timeout=240, env=_env())  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, str] = json.loads(r.stdout.strip().splitlines()[-1])
+    for role in ("SCHEDULER", "WORKER"):
+        assert out[f"full {role}"] == "started"
+        assert out[f"mla {role}"] == "started"
+        for name, spec in (
+            ("sliding", "SlidingWindowSpec"),
+            ("chunked", "ChunkedLocalAttentionSpec"),
+        ):
+            text = out[f"{name} {role}"]
+            assert text.startswith("ConfigError: kvxfer's connector supports full-attention KV "
+                                   f"caches only; group 0 is a {spec}"), (name, role, text)  # fmt: skip

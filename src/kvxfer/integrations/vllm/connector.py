@@ -85,6 +85,33 @@ def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
     return str(backend.get_name()) if backend is not None else "unknown"
 
 
+def check_cache_groups(kv_cache_config: Any) -> None:
+    """Refuse KV caches whose blocks vLLM drops while a request lives (sliding window,
+    chunked local attention, circular buffers, state caches): it swaps a block a
+    request no longer attends to for its shared null block, in the prefill's offer and
+    in the decode's allocation alike, so a load would name that one block many times
+    and a failed load would report it as lost for every request holding it. Only
+    full-attention caches (MLA included) keep every block of a prompt."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    for i, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        for one in inner.values() if isinstance(inner, dict) else [spec]:
+            if type(one) not in (FullAttentionSpec, MLAAttentionSpec):
+                window = getattr(one, "sliding_window", None) or getattr(
+                    one, "attention_chunk_size", None
+                )
+                raise ConfigError(
+                    f"kvxfer's connector supports full-attention KV caches only; group {i} "
+                    f"is a {type(one).__name__}"
+                    + (f" (window {window} tokens)" if window else "")
+                    + ": vLLM drops such a cache's blocks outside the window, which a "
+                    "transfer cannot pair; serve this model without the connector"
+                )
+
+
 def _log_through_vllm() -> None:
     """Send kvxfer's warnings to vLLM's log handlers (vLLM configures only its own
     logger; without this a failed load's reason would be invisible in vLLM's logs)."""
@@ -105,7 +132,8 @@ class KvxferConnector(KVConnectorBase_V1):
     says what each does), read and checked once when the connector starts, in both
     roles (the deployment key is read in the workers' role only): a bad value or a key
     kvxfer does not know stops it with a ``ConfigError`` that names the key. Pipeline
-    parallelism is refused the same way.
+    parallelism is refused the same way, and so are KV caches whose blocks vLLM drops
+    during a request (sliding window, chunked local attention: :func:`check_cache_groups`).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -120,6 +148,7 @@ class KvxferConnector(KVConnectorBase_V1):
                 f"kvxfer's connector does not support pipeline parallelism "
                 f"(pipeline_parallel_size {pp_size}): use tensor parallelism only"
             )
+        check_cache_groups(kv_cache_config)
         self._engine_id = str(kv.engine_id)
         # the key is the workers' engines' alone: the scheduler checks its settings only
         self._extra = parse_extra(
