@@ -123,7 +123,8 @@ def _shown(value: Any) -> str:
 def test_the_docs_table_lists_every_key_with_the_codes_default() -> None:
     documented = _documented()
     assert set(documented) == set(KEYS) - {"auth_key"}, "a key missing from or extra in the docs"
-    special = {"model_name": "the model's `model_type`", "allowed_prefills": "any",
+    special = {"model_name": "where vLLM loaded the weights from: `--model` (a Hub id or a "
+               "path), with `@<revision>` when `--revision` is set", "allowed_prefills": "any",
                "auth_key_file": "none"}  # fmt: skip
     defaults = ExtraConfig()
     for key, written in documented.items():
