@@ -78,3 +78,55 @@ def test_descriptor_ids_below_int32_still_planned_on_big_lists() -> None:
     p = huge_peer()
     small = plan_request(p, np.array([], dtype=np.int64), np.array([], dtype=np.int64))
     assert small.num_descriptors == 0
+
+
+# In a hybrid pool a logical block holds an attention page or a state page, never
+# both: region i carries attention layer i and state layer i in the same bytes.
+
+
+def test_hybrid_request_without_state_ids_refused() -> None:
+    # the state ids used to default to the attention ids: every attention block also
+    # took that layer's state page, in the same bytes
+    with pytest.raises(LayoutError, match="needs local_state_ids and remote_state_ids"):
+        plan_request(peer(HYBRID), [2], [3])
+    with pytest.raises(LayoutError, match="needs local_state_ids and remote_state_ids"):
+        plan_request(peer(HYBRID), [2], [3], local_state_ids=[4])
+
+
+@pytest.mark.parametrize(
+    ("ls", "rs", "match"),
+    [
+        ([2], [7], "local block 2 is given as an attention block and as a state block"),
+        ([6], [3], "remote block 3 is given as an attention block and as a state block"),
+    ],
+)
+def test_hybrid_block_as_attention_and_state_refused(
+    ls: list[int], rs: list[int], match: str
+) -> None:
+    with pytest.raises(LayoutError, match=match):
+        plan_request(peer(HYBRID), [1, 2], [3, 4], local_state_ids=ls, remote_state_ids=rs)
+
+
+def test_state_only_pool_takes_the_block_ids_as_state_ids() -> None:
+    # no attention views: the block ids are the state blocks (nothing to confuse)
+    spec = LayoutSpec(AttnKind.BLOCKS_FIRST, 0, 10, 16, 2, 8, 2, state=StateSpec(1, (32,), 4, 256))
+    default = plan_request(peer(spec), [2, 5], [3, 7])
+    explicit = plan_request(
+        peer(spec), [2, 5], [3, 7], local_state_ids=[2, 5], remote_state_ids=[3, 7]
+    )
+    (d,), (e,) = default.sources, explicit.sources
+    assert d.local_ids.tolist() == e.local_ids.tolist() and d.local_ids.size > 0
+    assert d.remote_ids.tolist() == e.remote_ids.tolist()
+
+
+def test_overlapping_regions_refused() -> None:
+    # views are checked within a region; two regions sharing bytes let a K view and a
+    # V view of different regions name the same bytes
+    with pytest.raises(LayoutError, match=r"regions 0 and 1 overlap: \[0x100000, 0x102000\)"):
+        CacheLayout(regions=(Region(1 << 20, 8192), Region((1 << 20) + 4096, 8192)),
+                    views=(View(0, 0, 1024, 1024, 8), View(1, 0, 1024, 1024, 8)),
+                    block_size=16, num_kv_heads=1, head_dim=32, dtype_bytes=2)  # fmt: skip
+    # adjacent regions (one allocation cut per layer, as vLLM's CPU cache is) are fine
+    CacheLayout(regions=(Region(1 << 20, 8192), Region((1 << 20) + 8192, 8192)),
+                views=(View(0, 0, 1024, 1024, 8), View(1, 0, 1024, 1024, 8)),
+                block_size=16, num_kv_heads=1, head_dim=32, dtype_bytes=2)  # fmt: skip

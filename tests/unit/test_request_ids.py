@@ -60,11 +60,15 @@ def test_plan_equals_plan_request_with_state_ids_and_cached_blocks() -> None:
 
 
 def test_defaults_plan_like_plan_request_defaults() -> None:
-    peer = hybrid_peer()
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    peer = pair_layouts(build(spec, 1 << 40), {0: build(spec, 1 << 44)})
     ids = RequestIds.of([3, 7], [2, 5])
     assert ids.local_state is None and ids.remote_state is None and ids.num_cached_blocks == 0
     assert_same_plan(ids.plan(peer), plan_request(peer, [3, 7], [2, 5]))
     assert_same_plan(RequestIds.of([], []).plan(peer), plan_request(peer, [], []))
+    # a hybrid pool has no default state ids (a block is attention or state): both refuse
+    with pytest.raises(LayoutError, match="needs local_state_ids and remote_state_ids"):
+        ids.plan(hybrid_peer())
 
 
 @pytest.mark.parametrize(

@@ -121,9 +121,13 @@ class Consumer(FirstContact):
         :meth:`RankCache.warm_up_transport`) and NumPy's in the planner (~0.5 ms here)."""
         for cache in self.ranks.values():
             cache.warm_up_transport(self.config)
-        lay = next(iter(self.ranks.values())).layout
+        cache = next(iter(self.ranks.values()))
+        lay, spec = cache.layout, cache.spec
+        if spec.state is not None and spec.num_layers and spec.num_blocks < 2:
+            return  # a hybrid pool of one block: no request fits it
         peer = pair_layouts(lay, {lay.tp_rank: lay}, max_run_blocks=self.config.run_blocks)
-        plan_request(peer, [0], [0])
+        state = [1] if spec.state is not None and spec.num_layers else None  # apart (hybrid)
+        plan_request(peer, [0], [0], local_state_ids=state, remote_state_ids=state)
 
     @property
     def num_rejected(self) -> int:

@@ -13,6 +13,7 @@ the model facts a planner needs to pair two layouts.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -284,6 +285,7 @@ class CacheLayout:
                 raise LayoutError(f"region {i}: ends past 2**64")
             if r.device_id < 0:
                 raise LayoutError(f"region {i}: device_id {r.device_id} < 0")
+        self._check_regions_disjoint()
         seen_state = False
         for i, v in enumerate(self.views):
             self._check_view(i, v)
@@ -300,6 +302,21 @@ class CacheLayout:
         for (region, _), idx in groups.items():
             if len(idx) > 1:
                 check_views_disjoint(region, self.views, idx)
+
+    def _check_regions_disjoint(self) -> None:
+        """Two regions sharing bytes would let views of different regions (a K view and
+        a V view, two layers) name the same bytes; the per-region view checks cannot
+        see that."""
+        order = sorted(range(len(self.regions)),
+                       key=lambda i: (self.regions[i].device_id, self.regions[i].base_addr))  # fmt: skip
+        for a, b in itertools.pairwise(order):
+            ra, rb = self.regions[a], self.regions[b]
+            if ra.device_id == rb.device_id and rb.base_addr < ra.base_addr + ra.num_bytes:
+                raise LayoutError(
+                    f"regions {min(a, b)} and {max(a, b)} overlap: [{ra.base_addr:#x}, "
+                    f"{ra.base_addr + ra.num_bytes:#x}) and [{rb.base_addr:#x}, "
+                    f"{rb.base_addr + rb.num_bytes:#x}) on device {ra.device_id}"
+                )
 
     def _check_view(self, i: int, v: View) -> None:
         if not 0 <= v.region < len(self.regions):

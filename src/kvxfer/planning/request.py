@@ -319,6 +319,31 @@ def _source_ids(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64, kbsr: int) 
     return SourceIds(src.rank, local, remote, runs, int(local.size))
 
 
+def _check_hybrid_ids(
+    lids: np.ndarray,
+    rids: np.ndarray,
+    ls: np.ndarray,
+    rs: np.ndarray,
+    local_state_ids: object,
+    remote_state_ids: object,
+) -> None:
+    """A hybrid pool (attention and state layers in one region) holds an attention page
+    or a state page in a logical block, never both, in the same bytes: a request names
+    its state blocks, apart from its attention blocks, on both sides."""  # fmt: skip
+    if local_state_ids is None or remote_state_ids is None:
+        raise LayoutError(
+            "a hybrid layout (attention and state pages in one pool) needs local_state_ids "
+            "and remote_state_ids: a block holds an attention page or a state page, never both"
+        )
+    for side, attn, state in (("local", lids, ls), ("remote", rids, rs)):
+        both = np.intersect1d(attn, state)
+        if both.size:
+            raise LayoutError(
+                f"{side} block {int(both[0])} is given as an attention block and as a state "
+                "block: in a hybrid pool both pages would share its bytes"
+            )
+
+
 def plan_request(
     peer: PeerPlan,
     local_block_ids: npt.ArrayLike,
@@ -333,15 +358,17 @@ def plan_request(
     Args:
         peer: the pairing of this rank with the remote engine.
         local_block_ids, remote_block_ids: logical attention block ids on each side.
-        local_state_ids, remote_state_ids: logical state block ids (hybrid models);
-            default to the attention ids.
+        local_state_ids, remote_state_ids: logical state block ids: required, and apart
+            from the attention ids, where attention and state share the pool (hybrid
+            models); in a pool of state pages only they default to the block ids.
         num_cached_blocks: leading local logical blocks already present (prefix hit).
 
     Raises:
         LayoutError: ids out of range, not 1-D, or lengths that do not pair; a local
             block (or local state block) given twice (remote ids may repeat: reading one
-            remote block into two local blocks writes every local byte once); a descriptor
-            index past NIXL's int32 range.
+            remote block into two local blocks writes every local byte once); a hybrid
+            request without state ids, or with a block that is both an attention and a
+            state block on one side; a descriptor index past NIXL's int32 range.
     """
     lids = _as_ids(local_block_ids, peer.local_num_blocks, "local_block_ids")
     _check_unique(lids, "local_block_ids")
@@ -370,6 +397,8 @@ def plan_request(
     if local_state_ids is not None:
         _check_unique(ls, "local_state_ids")
     has_state = any(bool(s.row_is_state.any()) for s in peer.sources)
+    if has_state and any(not bool(s.row_is_state.all()) for s in peer.sources):
+        _check_hybrid_ids(lids, rids, ls, rs, local_state_ids, remote_state_ids)
     if has_state and ls.size != rs.size:
         raise LayoutError(f"state ids differ in length: local {ls.size}, remote {rs.size}")
     for s in peer.sources:
