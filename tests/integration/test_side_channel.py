@@ -97,6 +97,36 @@ def test_refusals_are_typed(server: SideChannelServer) -> None:
     assert_serves(server)
 
 
+def test_repeated_ranks_are_refused_before_any_reply_is_built(
+    monkeypatch: pytest.MonkeyPatch, server: SideChannelServer
+) -> None:
+    # GetRecords((0,) * 4096): 4,096 copies of a record of up to 1 MiB, a reply of GBs
+    # encoded (then refused as too large) by the server thread, for a 4 KiB request
+    from kvxfer.transport import side_channel
+
+    encoded: list[int] = []
+    real = side_channel.encode_side
+
+    def counting(msg: object) -> bytes:
+        buf = real(msg)  # type: ignore[arg-type]
+        encoded.append(len(buf))
+        return buf
+
+    monkeypatch.setattr(side_channel, "encode_side", counting)
+    with pytest.raises(ProtocolError, match="ranks repeat: 4096 given, 1 distinct"):
+        fetch_records(server.address, [0] * 4096, H, TIMEOUT_S)
+    assert max(encoded) < 1024  # only the short refusal was encoded
+    # a reply over the limit is refused from the records' sizes, before encoding it
+    monkeypatch.setattr(side_channel, "MAX_SIDE_REPLY_BYTES", 4096)
+    encoded.clear()
+    with pytest.raises(ProtocolError, match="too_large"):
+        fetch_records(server.address, [0, 1], H, TIMEOUT_S)
+    assert max(encoded) < 1024
+    assert server.num_rejected == 1
+    monkeypatch.undo()
+    assert_serves(server)
+
+
 JUNK = [
     [b"garbage"],
     [b""],

@@ -312,11 +312,16 @@ class SideChannelServer:
             source = self._records
         by_rank = source() if callable(source) else source
         ranks = sorted(by_rank) if req.ranks is None else req.ranks
+        if len(set(ranks)) != len(ranks):  # one rank many times: a reply of many records
+            return self._reject(f"ranks repeat: {len(ranks)} given, {len(set(ranks))} distinct")
         missing = [r for r in ranks if r not in by_rank]
         if missing:
             msg = f"no record for ranks {missing}; have {sorted(by_rank)}"
             return ErrorReply("unknown_rank", msg[:MAX_REASON_LEN])
         records = tuple(by_rank[r] for r in ranks)
+        size = sum(len(b) for b in records)
+        if size > MAX_SIDE_REPLY_BYTES:  # known before encoding (and allocating) it
+            return ErrorReply("too_large", f"reply of at least {size} bytes")
         for r, buf in zip(ranks, records, strict=True):
             have = peek_hash(buf)
             if have != req.expected_hash:
