@@ -82,3 +82,14 @@ def test_the_consumer_table_forgets_the_least_recently_used_idle_consumer(
         assert set(RemovalLog.removed) == c2_agents
         _push(prod, c2, "e", 3, 6)  # a forgotten consumer is contacted again: still exact
         assert len(pusher._peers) == 2 and c2.address in pusher._peers
+
+
+def test_a_deadline_past_the_wires_hour_still_pushes() -> None:
+    # budgets travel as at most an hour (MAX_BUDGET_MS: a forged renew of 2**64-1 ms held
+    # blocks for good); a longer deadline is sent as an hour, not refused by the encoder
+    with _producer() as prod, _consumer("c1") as cons:
+        prod.hold("long", block_ids=[6])
+        t = cons.push("long", prod.address, local_block_ids=[2], remote_block_ids=[6],
+                      deadline_s=7200.0)  # fmt: skip
+        assert t.wait(20) is RequestState.DONE, t.error
+        assert mismatches(SPEC, cons.ranks[0].bufs, SPEC, [2], [6]) == 0

@@ -26,6 +26,7 @@ from kvxfer.wire import (
     Heartbeat,
     LayoutRecord,
     LeaseRenew,
+    PushRequest,
     ReadDone,
     Records,
     WriteDone,
@@ -258,6 +259,30 @@ def test_bad_messages() -> None:
         decode_msg(encode_side(GetRecords(None, H)))  # a side-channel message is no notification
     with pytest.raises(LayoutError, match="request_id"):
         encode_msg(Abort("r" * 500, 1))
+
+
+@pytest.mark.parametrize(
+    ("fields", "pattern"),
+    [
+        # a ReadDone from rank 5 of 2, or of 0 ranks, counts as no reader's: one of them
+        # made the producer free a hold another consumer rank was still reading
+        ({"t": "rd", "consumer_rank": 5, "consumer_size": 2}, "consumer_rank 5 not in"),
+        ({"t": "rd", "consumer_rank": 0, "consumer_size": 0}, "consumer_size 0 not in"),
+        ({"t": "wd", "producer_rank": 2, "producer_size": 2}, "producer_rank 2 not in"),
+        # a renew of 2**64-1 ms held blocks for half a billion years
+        ({"t": "lr", "request_ids": ["a"], "budget_ms": (1 << 64) - 1}, r"budget_ms"),
+        ({"t": "pr", "budget_ms": 3_600_001}, r"budget_ms"),
+        ({"t": "pr", "consumer_rank": 1, "consumer_size": 1}, "consumer_rank 1 not in"),
+    ],
+)
+def test_out_of_range_notification_fields_are_refused(fields: dict[str, Any], pattern: str) -> None:
+    base: dict[str, Any] = {"request_id": "r", "generation": 1}
+    if fields["t"] == "pr":
+        push = PushRequest("r", 1, "tcp://127.0.0.1:9", 0, 1, (1,), (2,), budget_ms=3_600_000)
+        assert decode_msg(encode_msg(push)) == push  # an hour is the most a budget may be
+        base = msgspec.to_builtins(push)
+    with pytest.raises(ProtocolError, match=pattern):
+        decode_msg(msgspec.msgpack.encode({**base, **fields}))
     with pytest.raises(LayoutError):
         encode_msg(Heartbeat(1 << 64))
 

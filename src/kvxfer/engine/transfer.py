@@ -36,7 +36,7 @@ from kvxfer.errors import (
 from kvxfer.planning.plans import PeerPlan
 from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import XferHandle, XferOp, XferState
-from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
+from kvxfer.wire import MAX_BUDGET_MS, Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
 
 __all__ = ["RequestContext", "Transfer", "new_attempt", "num_bytes"]
 
@@ -325,7 +325,7 @@ class Transfer(RequestEnd):
         if not force and now - max(self.posted_at, self.renewed_at) < ctx.config.heartbeat_s:
             return
         self.renewed_at = now
-        budget_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
+        budget_ms = self._budget_ms()  # a longer deadline is covered by later renewals
         tickets = (self.hold_ticket,) if self.hold_ticket else ()
         for rank, agent in self.peer.agents.items():
             gen = self.peer.generations[rank]
@@ -396,7 +396,7 @@ class Transfer(RequestEnd):
                     remote_state_ids=None if rs is None else _wire_ids(rs),
                     num_cached_blocks=int(self.ids.num_cached_blocks),
                     attempt=self.attempt,
-                    budget_ms=max(0, int((self.deadline - time.monotonic()) * 1000)),
+                    budget_ms=self._budget_ms(),
                     sent_at_ns=time.time_ns(),
                     consumer_generation=ctx.generation,
                     ticket=self.hold_ticket,
@@ -406,6 +406,10 @@ class Transfer(RequestEnd):
                 self.num_descriptors += ids.num_descriptors
                 self.num_bytes += num_bytes(peer.plans[d], ids.rank, ids.local_ids)
             self.notify.extend((d, r) for r in req.notify_only)
+
+    def _budget_ms(self) -> int:
+        """What is left of the deadline, in ms, as the wire carries it (at most an hour)."""
+        return min(MAX_BUDGET_MS, max(0, int((self.deadline - time.monotonic()) * 1000)))
 
     def _finish(self) -> None:
         ctx = self.context

@@ -7,6 +7,7 @@
 
 from kvxfer.wire.limits import (
     MAX_AGENT_METADATA_BYTES,
+    MAX_BUDGET_MS,
     MAX_COUNT,
     MAX_DESCRIPTORS,
     MAX_HASH_LEN,
@@ -72,6 +73,7 @@ from kvxfer.wire.records import (
 
 __all__ = [
     "MAX_AGENT_METADATA_BYTES",
+    "MAX_BUDGET_MS",
     "MAX_COUNT",
     "MAX_DESCRIPTORS",
     "MAX_HASH_LEN",

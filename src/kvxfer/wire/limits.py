@@ -20,6 +20,9 @@ Schema evolution rules (``SCHEMA_VERSION`` = 2; 2 added attempt ids, whose meani
 4. Anything else (a changed meaning, a removed field) bumps ``SCHEMA_VERSION``,
    which is part of :func:`compat_hash`, so old and new peers refuse each other
    with :class:`IncompatibleError` instead of misreading each other.
+5. A field's bounds may narrow only to refuse what no earlier sender sent within
+   its documented settings (``budget_ms`` at most an hour; a rank below its size):
+   such a value only ever came from a forger or a bug.
 """
 
 from __future__ import annotations
@@ -53,10 +56,12 @@ MAX_HOLD_SLOTS = 1 << 24  # a producer rank's hold table (8 bytes a slot: 128 Mi
 MAX_RANKS = 4096  # ranks named in one side-channel request or reply
 MAX_SIDE_REQUEST_BYTES = 64 << 10
 MAX_SIDE_REPLY_BYTES = 64 << 20
+MAX_BUDGET_MS = 3_600_000  # a request's deadline budget on the wire: at most one hour
 
 U64 = Annotated[int, Meta(ge=0)]  # msgpack cannot carry more than 2**64 - 1
 SmallInt = Annotated[int, Meta(ge=0, le=MAX_SMALL_INT)]
 Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+BudgetMs = Annotated[int, Meta(ge=0, le=MAX_BUDGET_MS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
 HashStr = Annotated[str, Meta(max_length=MAX_HASH_LEN)]
 RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LEN)]

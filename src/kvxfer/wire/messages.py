@@ -17,6 +17,7 @@ from kvxfer.wire.limits import (
     MAX_RECORD_BYTES,
     MAX_SIDE_REPLY_BYTES,
     U64,
+    BudgetMs,
     HashStr,
     Name,
     Reason,
@@ -39,6 +40,14 @@ class _Msg(Struct, frozen=True, tag_field="t"):
     pass
 
 
+def _check_rank(what: str, rank: int, size: int) -> None:
+    """A rank of ``size`` ranks: ValueError otherwise (a ProtocolError when decoded)."""
+    if size < 1:
+        raise ValueError(f"{what}_size {size} not in [1, {MAX_RANKS}]")
+    if rank >= size:
+        raise ValueError(f"{what}_rank {rank} not in [0, {what}_size {size})")
+
+
 class ReadDone(_Msg, frozen=True, tag="rd"):
     """Consumer rank ``consumer_rank`` of ``consumer_size`` finished reading a request."""
 
@@ -49,6 +58,9 @@ class ReadDone(_Msg, frozen=True, tag="rd"):
     attempt: U64 = 0
     ticket: U64 = 0  # the hold it read (kvxfer.engine.holds); 0: none named
 
+    def __post_init__(self) -> None:
+        _check_rank("consumer", self.consumer_rank, self.consumer_size)
+
 
 class WriteDone(_Msg, frozen=True, tag="wd"):
     """Producer rank ``producer_rank`` of ``producer_size`` finished writing a request (push)."""
@@ -58,6 +70,9 @@ class WriteDone(_Msg, frozen=True, tag="wd"):
     producer_rank: SmallInt
     producer_size: SmallInt
     attempt: U64 = 0
+
+    def __post_init__(self) -> None:
+        _check_rank("producer", self.producer_rank, self.producer_size)
 
 
 class Abort(_Msg, frozen=True, tag="ab"):
@@ -86,7 +101,7 @@ class LeaseRenew(_Msg, frozen=True, tag="lr"):
     request_ids: Annotated[tuple[RequestId, ...], Meta(max_length=MAX_LEASE_IDS)]
     generation: U64
     attempts: Annotated[tuple[U64, ...], Meta(max_length=MAX_LEASE_IDS)] = ()  # per request id
-    budget_ms: U64 = 0  # > 0: extend to cover this much more (the request's deadline)
+    budget_ms: BudgetMs = 0  # > 0: extend to cover this much more (the request's deadline)
     # per request id: the hold it renews (0: none named); a renew naming another hold of
     # the id (one that ended; the id was held again since) extends nothing
     tickets: Annotated[tuple[U64, ...], Meta(max_length=MAX_LEASE_IDS)] = ()
@@ -137,13 +152,16 @@ class PushRequest(_Msg, frozen=True, tag="pr"):
     remote_state_ids: BlockIds | None = None
     num_cached_blocks: SmallInt = 0
     attempt: U64 = 0
-    budget_ms: U64 = 0
+    budget_ms: BudgetMs = 0
     sent_at_ns: U64 = 0
     consumer_generation: U64 = 0
     # the hold to write from (0: none named): the producer refuses a hold it has ended,
     # and does not free it when the WRITE completes (the consumer checks the hold's
     # slot word, then sends ReadDone naming the ticket)
     ticket: U64 = 0
+
+    def __post_init__(self) -> None:
+        _check_rank("consumer", self.consumer_rank, self.consumer_size)
 
 
 class Cancelled(_Msg, frozen=True, tag="cx"):
