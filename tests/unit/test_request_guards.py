@@ -130,3 +130,15 @@ def test_overlapping_regions_refused() -> None:
     CacheLayout(regions=(Region(1 << 20, 8192), Region((1 << 20) + 8192, 8192)),
                 views=(View(0, 0, 1024, 1024, 8), View(1, 0, 1024, 1024, 8)),
                 block_size=16, num_kv_heads=1, head_dim=32, dtype_bytes=2)  # fmt: skip
+
+
+def test_a_request_past_the_descriptor_limit_is_refused_before_allocating() -> None:
+    # 256 layers x 2 views x 131,072 kernel blocks per logical block, one block: 2**26
+    # descriptors (GBs of ids) from a 400-byte plan file or a peer's record
+    deep = LayoutSpec(AttnKind.BLOCKS_FIRST, 256, 1, 1 << 17, 1, 1, 1, ppl=1 << 17)
+    with pytest.raises(LayoutError, match=r"67108864 descriptors .* limit of 16777216"):
+        plan_request(peer(deep), [0], [0])
+    # the local ids alone: one block id a million times over is refused before expanding
+    wide = LayoutSpec(AttnKind.BLOCKS_FIRST, 1, 1 << 20, 1 << 10, 1, 1, 1, ppl=1 << 10)
+    with pytest.raises(LayoutError, match=r"are 1073741824 kernel blocks, past the limit of 16777216"):
+        plan_request(peer(wide), list(range(1 << 20)), list(range(1 << 20)))

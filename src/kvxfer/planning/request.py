@@ -319,6 +319,24 @@ def _source_ids(src: SourcePlan, lk: I64, rk: I64, ls: I64, rs: I64, kbsr: int) 
     return SourceIds(src.rank, local, remote, runs, int(local.size))
 
 
+MAX_REQUEST_DESCRIPTORS = 1 << 24  # per source rank: ~16.8 M, 200+ MB of ids to build
+
+
+def _check_size(src: SourcePlan, num_kernel_ids: int, num_state_ids: int) -> None:
+    """Refuse a request whose descriptors (rows x ids) would pass the limit, before any
+    array is built: a small plan file or a peer's record can name billions."""
+    base = np.arange(src.num_rows) < src.num_base_rows
+    num_attn = int(np.count_nonzero(~src.row_is_state & base))
+    num_state = int(np.count_nonzero(src.row_is_state & base))
+    total = num_attn * num_kernel_ids + num_state * num_state_ids
+    if total > MAX_REQUEST_DESCRIPTORS:
+        raise LayoutError(
+            f"source rank {src.rank}: a request of {total} descriptors ({num_attn} rows x "
+            f"{num_kernel_ids} kernel blocks, {num_state} state rows x {num_state_ids}) is "
+            f"past the limit of {MAX_REQUEST_DESCRIPTORS}"
+        )
+
+
 def _check_hybrid_ids(
     lids: np.ndarray,
     rids: np.ndarray,
@@ -375,6 +393,12 @@ def plan_request(
     rids = _as_ids(remote_block_ids, peer.remote_num_blocks, "remote_block_ids")
     if not 0 <= num_cached_blocks <= lids.size:
         raise LayoutError(f"num_cached_blocks {num_cached_blocks} not in [0, {lids.size}]")
+    for side, ids, ppl in (("local", lids, peer.local_ppl), ("remote", rids, peer.remote_ppl)):
+        if ids.size * ppl > MAX_REQUEST_DESCRIPTORS:  # before expanding them
+            raise LayoutError(
+                f"{side}_block_ids: {ids.size} blocks of {ppl} kernel blocks are "
+                f"{ids.size * ppl} kernel blocks, past the limit of {MAX_REQUEST_DESCRIPTORS}"
+            )
     lk = expand_ids(lids[num_cached_blocks:], peer.local_ppl)
     rk = expand_ids(rids, peer.remote_ppl)[num_cached_blocks * peer.local_ppl * peer.kernel_bsr :]
     kbsr = peer.kernel_bsr
@@ -402,6 +426,7 @@ def plan_request(
     if has_state and ls.size != rs.size:
         raise LayoutError(f"state ids differ in length: local {ls.size}, remote {rs.size}")
     for s in peer.sources:
+        _check_size(s, lk.size, ls.size if has_state else 0)
         _check_int32(s, lk, rk, ls, rs)
     return RequestPlan(
         tuple(_source_ids(s, lk, rk, ls, rs, kbsr) for s in peer.sources), peer.notify_only
