@@ -236,3 +236,71 @@ def test_module_entry_point_subprocess() -> None:
     )  # fmt: skip
     assert bad.returncode == 2
     assert "remote[1].views[3].stride" in bad.stderr
+
+
+def _explicit(tmp_path: Path, edit: Any) -> Path:
+    raw = json.loads((EXAMPLES / "plan-explicit-records.json").read_text())
+    edit(raw)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_names_are_printed_as_written_not_as_markup(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # "[/bold]" crashed the table (rich MarkupError); "[red]x" printed as "x"
+    def edit(raw: dict[str, Any]) -> None:
+        raw["local"]["views"][0]["name"] = "[/bold]"
+        raw["local"]["views"][1]["name"] = "[red]x"
+
+    assert main(["plan", str(_explicit(tmp_path, edit))]) == 0
+    out = capsys.readouterr().out
+    assert "[/bold]" in out and "[red]x" in out
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("\ud800", r"local.views\[0\].name: not valid UTF-8 text"),
+        ("n" * 300, r"local.views\[0\].name: 300 characters exceeds the limit of 256"),
+    ],
+)
+def test_names_that_cannot_be_printed_or_sent_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, value: str, match: str
+) -> None:
+    # a lone surrogate crashed the table's output (UnicodeEncodeError)
+    def edit(raw: dict[str, Any]) -> None:
+        raw["local"]["views"][0]["name"] = value
+
+    assert main(["plan", str(_explicit(tmp_path, edit))]) == 2
+    import re
+
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_a_hex_address_of_100000_digits_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # formatting it in decimal for the message raised ValueError (4300-digit limit)
+    def edit(raw: dict[str, Any]) -> None:
+        raw["local"]["regions"][0]["base_addr"] = "0x" + "f" * 100_000
+
+    assert main(["plan", str(_explicit(tmp_path, edit))]) == 2
+    err = capsys.readouterr().err
+    assert "local.regions[0].base_addr: an integer of 400000 bits exceeds the limit of" in err
+
+
+def test_tables_of_a_huge_layout_list_the_first_views_only(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # 65,536 layers: the tables printed 131,072 view rows (minutes); --json lists all
+    spec = {"kind": "blocks_first", "num_layers": 4096, "num_blocks": 1, "block_size": 16,
+            "num_kv_heads": 1, "head_dim": 1, "dtype_bytes": 1}  # fmt: skip
+    path = tmp_path / "deep.json"
+    path.write_text(json.dumps({"local": {"spec": spec}, "remote": {"spec": spec}}))
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "8192 views" in out  # K and V of 4,096 layers
+    assert "... 8064 more views (--json lists every view)" in out
+    assert len(out.splitlines()) < 400

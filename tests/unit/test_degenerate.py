@@ -357,3 +357,21 @@ def test_remote_ranks_disagree_on_ppl() -> None:
     rs[1] = build(replace(kv(2, 1), block_size=8, ppl=2), (1 << 44) + (1 << 38))
     with pytest.raises(IncompatibleError):
         pair_layouts(build(kv()), rs)
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        # a negative state layer count used to drop the state silently (plan exit 0)
+        (StateSpec(-5, (32,), 4, 256), r"state.num_layers must be > 0, got -5"),
+        (StateSpec(0, (32,), 4, 256), r"state.num_layers must be > 0, got 0"),
+        (StateSpec(1, (32, 0), 4, 256), r"state.conv_cols\[1\] must be > 0, got 0"),
+        (StateSpec(1, (), 4, 256), r"state.conv_cols must name at least one sub-projection"),
+        (StateSpec(1, (32,), 1, 256), r"state.conv_kernel must be >= 2, got 1"),
+        (StateSpec(1, (32,), 4, -8), r"state.ssm_bytes must be > 0, got -8"),
+    ],
+)
+def test_bad_state_fields_are_named(state: StateSpec, match: str) -> None:
+    spec = LayoutSpec(AttnKind.BLOCKS_FIRST, 1, 10, 16, 2, 8, 2, state=state)
+    with pytest.raises(LayoutError, match=match):
+        spec.region_bytes()

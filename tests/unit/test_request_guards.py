@@ -140,5 +140,7 @@ def test_a_request_past_the_descriptor_limit_is_refused_before_allocating() -> N
         plan_request(peer(deep), [0], [0])
     # the local ids alone: one block id a million times over is refused before expanding
     wide = LayoutSpec(AttnKind.BLOCKS_FIRST, 1, 1 << 20, 1 << 10, 1, 1, 1, ppl=1 << 10)
-    with pytest.raises(LayoutError, match=r"are 1073741824 kernel blocks, past the limit of 16777216"):
+    with pytest.raises(
+        LayoutError, match=r"are 1073741824 kernel blocks, past the limit of 16777216"
+    ):
         plan_request(peer(wide), list(range(1 << 20)), list(range(1 << 20)))

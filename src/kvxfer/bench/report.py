@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 __all__ = [
     "default_console",
@@ -61,13 +62,16 @@ def make_table(
     rows: Sequence[Sequence[object]],
     *,
     left: Sequence[int] = (0,),
+    markup: bool = True,
 ) -> Table:
-    """A rich table; cells are ``str()``-ed; columns right-aligned except those in ``left``."""
-    table = Table(title=title, title_justify="left")
+    """A rich table; cells are ``str()``-ed; columns right-aligned except those in ``left``.
+    ``markup=False``: cells are shown as written (text from a user's file: ``[red]`` is
+    not a style there), the title too."""
+    table = Table(title=title if markup else Text(title), title_justify="left")
     for i, col in enumerate(columns):
         table.add_column(col, justify="left" if i in left else "right", no_wrap=True)
     for row in rows:
-        table.add_row(*(str(c) for c in row))
+        table.add_row(*(str(c) if markup else Text(str(c)) for c in row))
     return table
 
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from kvxfer.cli.plan_bounds import BigInt
 from kvxfer.errors import LayoutError
-from kvxfer.wire.limits import MAX_U64
+from kvxfer.wire.limits import MAX_NAME_LEN, MAX_U64
 
 __all__ = [
     "MISSING",
@@ -68,7 +68,8 @@ def bounded_int(value: object, where: str, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise LayoutError(f"{where}: expected int, got {show(value)}")
     if abs(value) > hi:
-        raise LayoutError(f"{where}: {value} exceeds the limit of {hi}")
+        shown = f"an integer of {value.bit_length()} bits" if value.bit_length() > 128 else value
+        raise LayoutError(f"{where}: {shown} exceeds the limit of {hi}")
     return value
 
 
@@ -94,6 +95,14 @@ def str_field(obj: Mapping[str, Any], key: str, path: str, default: str = "") ->
     value = get_field(obj, key, path, default)
     if not isinstance(value, str):
         raise LayoutError(f"{path}.{key}: expected string, got {show(value)}")
+    if len(value) > MAX_NAME_LEN:  # names cross the wire (and fill a table cell)
+        raise LayoutError(
+            f"{path}.{key}: {len(value)} characters exceeds the limit of {MAX_NAME_LEN}"
+        )
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800"): not printable, not sendable
+        raise LayoutError(f"{path}.{key}: not valid UTF-8 text: {value!r}") from None
     return value
 
 

@@ -199,6 +199,9 @@ def plan_document(
 # --- tables ------------------------------------------------------------------------------
 
 
+MAX_TABLE_VIEWS = 128  # views listed in the tables (--json lists every one)
+
+
 def _print_tables(doc: dict[str, Any]) -> None:
     from kvxfer.bench.report import default_console, make_table
 
@@ -222,11 +225,15 @@ def _print_tables(doc: dict[str, Any]) -> None:
                         v["stride"],
                         v["count"],
                     ]
-                    for v in loc["views"]
+                    for v in loc["views"][:MAX_TABLE_VIEWS]
                 ],
                 left=(1, 2, 3),
+                markup=False,
             )
         )
+        if len(loc["views"]) > MAX_TABLE_VIEWS:
+            more = len(loc["views"]) - MAX_TABLE_VIEWS
+            con.print(f"... {more} more views (--json lists every view)", markup=False)
         con.print(
             make_table(
                 "pairing",
@@ -241,6 +248,7 @@ def _print_tables(doc: dict[str, Any]) -> None:
                     ["ppl local / remote", f"{loc['ppl']} / {rem['ppl']}"],
                 ],
                 left=(0, 1),
+                markup=False,
             )
         )
         con.print(
@@ -257,6 +265,7 @@ def _print_tables(doc: dict[str, Any]) -> None:
                     ]
                     for s in pair["sources"]
                 ],
+                markup=False,
             )
         )
     req = doc["request"]
@@ -271,6 +280,7 @@ def _print_tables(doc: dict[str, Any]) -> None:
                 f"request (notify-only ranks: {notify})",
                 ["rank", "descriptors", "bytes", "after merging runs"],
                 rows,
+                markup=False,
             )
         )
 

@@ -60,6 +60,21 @@ class StateSpec:
         return sum(self.conv_bytes(tp_size, dtype_bytes)) + ssm
 
 
+def _check_state(st: StateSpec) -> None:
+    """Raise LayoutError naming the first state field out of range."""
+    for name in ("num_layers", "ssm_bytes"):
+        value = getattr(st, name)
+        if value <= 0:
+            raise LayoutError(f"state.{name} must be > 0, got {value}")
+    if not st.conv_cols:
+        raise LayoutError("state.conv_cols must name at least one sub-projection")
+    for j, c in enumerate(st.conv_cols):
+        if c <= 0:
+            raise LayoutError(f"state.conv_cols[{j}] must be > 0, got {c}")
+    if st.conv_kernel < 2:  # a sub-projection keeps kernel - 1 columns of state
+        raise LayoutError(f"state.conv_kernel must be >= 2, got {st.conv_kernel}")
+
+
 @dataclass(frozen=True, slots=True)
 class LayoutSpec:
     """Shape of one TP rank's KV cache, without addresses.
@@ -121,6 +136,7 @@ class LayoutSpec:
         if not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank {self.tp_rank} not in [0, tp_size={self.tp_size})")
         if self.state is not None:
+            _check_state(self.state)
             if self.kind is not AttnKind.BLOCKS_FIRST:
                 raise LayoutError("hybrid pools use AttnKind.BLOCKS_FIRST attention")
             st = self.state.page_bytes(self.tp_size, self.dtype_bytes)
