@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     )
     console = Console()
     try:
-        opts.spec("p")  # validate the shapes before starting processes
+        opts.check()  # validate the options and shapes before starting processes
         opts.spec("d")
         with Progress(
             TextColumn("[bold]moving requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

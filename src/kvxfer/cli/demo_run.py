@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.engine.config import EngineConfig, RequestState, allocate_cache
-from kvxfer.errors import IncompatibleError, KvxferError
+from kvxfer.errors import ConfigError, IncompatibleError, KvxferError
 from kvxfer.layout.presets import spec_for
 from kvxfer.layout.spec import AttnKind, LayoutSpec
 from kvxfer.testing.pattern import fill, mismatches
@@ -53,6 +53,20 @@ class DemoOptions:
         return spec_for(
             self.preset, tp_rank=rank, tp_size=tp, num_blocks=nb, block_size=bs, kind=kind
         )
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first option (as ``kvxfer demo`` spells it) that
+        the demo cannot run with; the shapes are checked by :meth:`spec`."""
+        for flag, value in (("--requests", self.num_requests), ("--inflight", self.inflight),
+                            ("--num-blocks", self.num_blocks)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value!r}")
+        # a request's remote ids are drawn without repeats from the attention blocks:
+        # all of them, or the low half of a hybrid pool (state pages use the high half)
+        pool = self.num_blocks // 2 if self.is_hybrid else self.num_blocks
+        n = self.blocks_per_request
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= pool:
+            raise ConfigError(f"--blocks-per-request must be in [1, {pool}], got {n!r}")
 
     @property
     def bsr(self) -> int:
@@ -198,7 +212,11 @@ def run_demo(o: DemoOptions, progress: Any = None) -> dict[str, Any]:
     Args:
         o: what to move.
         progress: optional callable ``(done, total)`` for a progress bar.
+
+    Raises:
+        ConfigError: an option the demo cannot run with (before any process starts).
     """
+    o.check()
     ctx = mp.get_context("spawn")
     reqs = _requests(o)
     p_conn, p_child = ctx.Pipe()
