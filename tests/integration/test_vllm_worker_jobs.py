@@ -74,3 +74,29 @@ def test_a_hold_that_fails_keeps_its_blocks_until_the_lease_it_promised() -> Non
             time.sleep(0.02)
         assert got == ({"refused"}, set())
         assert time.monotonic() - t0 >= 0.3
+
+
+def test_an_aborted_request_stops_its_load_at_once() -> None:
+    # vLLM keeps an aborted request's blocks until its load is reported; a load stuck in
+    # first contact (params naming a host that never answers) pinned them until the
+    # contact's timeout, then its deadline. vLLM names the aborted request in
+    # get_finished's finished_req_ids: the load is cancelled and reported there.
+    from kvxfer.engine import Consumer
+    from kvxfer.integrations.vllm.params import RemotePrefill
+    from kvxfer.integrations.vllm.scheduler import LoadJob
+    from kvxfer.testing.ports import free_port
+
+    cfg = EngineConfig("wja", model_name="tiny-gqa", handshake_timeout_s=30.0)
+    with Consumer(cfg, [(SPEC, allocate_cache(SPEC))]) as cons:
+        side = _side()
+        side.consumer = cons
+        dead = f"tcp://127.0.0.1:{free_port()}"  # nobody listens: the fetch waits
+        remote = RemotePrefill("p", "x", dead, (1,), (4, 5), 16, 1, 32, hold_ticket=3)
+        side.start([LoadJob("d-x", remote, (6, 7), (4, 5)), LoadJob("d-y", remote, (8,), (4,))], [])
+        assert side.finished() == (set(), set())  # contacting
+        t0 = time.monotonic()
+        assert side.finished(aborted={"d-x", "unknown"}) == (set(), {"d-x"})
+        assert time.monotonic() - t0 < 1.0
+        assert side.take_load_errors() == {6, 7}  # never taken as loaded
+        assert side.finished() == (set(), set())  # the other load goes on
+        assert "d-y" in side._loads

@@ -266,7 +266,7 @@ class KvxferConnector(KVConnectorBase_V1):
             return None, None
         wait = self._extra.idle_wait_s if self._idle else 0.0
         self._idle = False  # one wait per bound step
-        sending, recving = self._worker.finished(idle_wait_s=wait)
+        sending, recving = self._worker.finished(idle_wait_s=wait, aborted=finished_req_ids)
         return sending or None, recving or None
 
     def get_kv_connector_stats(self) -> KvxferConnectorStats | None:

@@ -219,8 +219,16 @@ class WorkerSide:
             return
         self._loads[job.request_id] = _Load(job, t, contacting=not t.peer.ready.is_set())
 
-    def finished(self, idle_wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+    def finished(
+        self, idle_wait_s: float = 0.0, aborted: Iterable[str] = ()
+    ) -> tuple[set[str], set[str]]:
         """``(finished sending, finished receiving)`` request ids since the last call.
+
+        ``aborted``: requests vLLM finished since the last step (its
+        ``finished_req_ids``); a load of one still in flight is cancelled and reported
+        now, failed, instead of pinning the request's blocks until its deadline (a
+        client that went away; params naming a host that never answers). A push stays
+        reported later, once the prefill can write nothing more into those blocks.
 
         A load that ended in any state but DONE is reported finished too, with its
         blocks in :meth:`take_load_errors`, so vLLM recomputes them (never decodes
@@ -234,6 +242,10 @@ class WorkerSide:
         released (the producer's event), a first contact finishes or a READ ends (polled
         every ``IDLE_POLL_S``); it delays only requests that arrive meanwhile.
         """
+        for rid in aborted:
+            load = self._loads.get(rid)
+            if load is not None and load.transfer is not None:
+                load.transfer.cancel()  # no-op once it ended
         if idle_wait_s <= 0:
             self._yield_to_first_contact()
             return self._collect()
