@@ -1,8 +1,9 @@
 """The CI case: P1->D1 in a real vLLM, 4 prompts, token equality, the negative
 control, params made for another prompt, parallel sampling, the same params on a
-second decode engine, and push mode (a third decode with ``transfer_mode`` "push"), in
-one set of instance lifetimes (~1.5 min with start-up on 2 cores). All four instances
-hold one deployment key (``auth_key_file``): every transfer below is authenticated."""
+second decode engine, push mode (a third decode with ``transfer_mode`` "push"), and a
+decode of another model of the same architecture, in one set of instance lifetimes
+(~3 min with start-up on 2 cores). All five instances hold one deployment key
+(``auth_key_file``): every transfer below is authenticated."""
 
 from __future__ import annotations
 
