@@ -84,12 +84,20 @@ def test_the_consumer_table_forgets_the_least_recently_used_idle_consumer(
         assert len(pusher._peers) == 2 and c2.address in pusher._peers
 
 
-def test_a_deadline_past_the_wires_hour_still_pushes() -> None:
+def test_a_deadline_past_an_hour_is_refused_by_name() -> None:
     # budgets travel as at most an hour (MAX_BUDGET_MS: a forged renew of 2**64-1 ms held
-    # blocks for good); a longer deadline is sent as an hour, not refused by the encoder
+    # blocks for good), and a push's budget is sent once: a longer deadline is refused
+    # where it is given, not clipped on the wire
+    from kvxfer.errors import ConfigError
+
     with _producer() as prod, _consumer("c1") as cons:
         prod.hold("long", block_ids=[6])
-        t = cons.push("long", prod.address, local_block_ids=[2], remote_block_ids=[6],
+        with pytest.raises(ConfigError, match="deadline_s must be at most 3600 seconds, got 7200"):
+            cons.push("long", prod.address, local_block_ids=[2], remote_block_ids=[6],
                       deadline_s=7200.0)  # fmt: skip
+        t = cons.push("long", prod.address, local_block_ids=[2], remote_block_ids=[6],
+                      deadline_s=3600.0)  # fmt: skip
         assert t.wait(20) is RequestState.DONE, t.error
         assert mismatches(SPEC, cons.ranks[0].bufs, SPEC, [2], [6]) == 0
+    with pytest.raises(ConfigError, match="deadline_s must be at most 3600 seconds"):
+        EngineConfig("x", deadline_s=3601.0).check()

@@ -77,6 +77,7 @@ def test_an_unknown_key_is_refused_by_name_with_the_nearest_known_one() -> None:
         ({"side_channel_host": 5}, r"side_channel_host must be a host"),
         ({"model_name": ""}, r"model_name must be a non-empty string"),
         ({"preconnect_s": "soon"}, r"preconnect_s must be a number of seconds"),
+        ({"deadline_s": 7200}, r"extra_config\.deadline_s must be at most 3600 seconds"),
         ({"prefill_peers": ["tcp://10.0.1.5:5700"], "allowed_prefills": ["10.0.0.0/24"]},
          r"prefill_peers: tcp://10.0.1.5:5700"),
         ({"auth_key": KEY}, r"auth_key is refused"),

@@ -13,7 +13,7 @@ from kvxfer.errors import ConfigError
 from kvxfer.layout.model import DeviceBuffer
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.wire import ModelFacts, compat_hash, model_facts
-from kvxfer.wire.limits import MAX_HOLD_SLOTS
+from kvxfer.wire.limits import MAX_BUDGET_MS, MAX_HOLD_SLOTS
 
 __all__ = [
     "U8",
@@ -21,6 +21,7 @@ __all__ = [
     "EngineConfig",
     "RequestState",
     "allocate_cache",
+    "check_deadline",
     "check_hold_slots",
     "check_seconds",
 ]
@@ -30,17 +31,30 @@ U8 = npt.NDArray[np.uint8]
 Buffer = U8 | DeviceBuffer
 
 
-def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+MAX_DEADLINE_S = MAX_BUDGET_MS / 1000  # a request's deadline: the wire carries an hour
+
+
+def check_seconds(
+    name: str, value: object, *, allow_zero: bool = False, max_s: float | None = None
+) -> float:
     """Return ``value`` as float seconds; ConfigError (a ValueError) naming ``name`` unless
-    it is a finite number > 0 (>= 0 with ``allow_zero``). NaN/inf never pass: a NaN
-    deadline never expires and a NaN lease never ends."""
+    it is a finite number > 0 (>= 0 with ``allow_zero``), and at most ``max_s`` when
+    given. NaN/inf never pass: a NaN deadline never expires and a NaN lease never ends."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
     v = float(value)
     if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{name} must be finite and {bound} seconds, got {value!r}")
+    if max_s is not None and v > max_s:
+        raise ConfigError(f"{name} must be at most {max_s:g} seconds, got {value!r}")
     return v
+
+
+def check_deadline(name: str, value: object) -> float:
+    """A request deadline in seconds: > 0 and at most :data:`MAX_DEADLINE_S` (an hour:
+    what a push request's budget and a lease renewal carry)."""
+    return check_seconds(name, value, max_s=MAX_DEADLINE_S)
 
 
 def check_hold_slots(name: str, value: object) -> int:
@@ -148,7 +162,8 @@ class EngineConfig:
 
     def check(self) -> None:
         """Raise ConfigError naming the first setting that is not a valid number."""
-        for name in ("deadline_s", "lease_s", "handshake_timeout_s", "heartbeat_s"):
+        check_deadline("deadline_s", self.deadline_s)
+        for name in ("lease_s", "handshake_timeout_s", "heartbeat_s"):
             check_seconds(name, getattr(self, name))
         check_seconds("lease_margin_s", self.lease_margin_s, allow_zero=True)
         check_seconds("silence_s", self.silence_s, allow_zero=True)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy.typing as npt
 
-from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
+from kvxfer.engine.config import Buffer, EngineConfig, check_deadline
 from kvxfer.engine.contact import FirstContact
 from kvxfer.engine.holds import CHECK_SLOTS, check_ticket
 from kvxfer.engine.inbox import Inbox
@@ -261,7 +261,7 @@ class Consumer(FirstContact):
         if self._closed:
             raise ClosedError(f"consumer closed: request {request_id!r} refused")
         if deadline_s is not None:
-            check_seconds("deadline_s", deadline_s)
+            check_deadline("deadline_s", deadline_s)
         chosen = tuple(self.ranks) if ranks is None else tuple(ranks)
         for d in chosen:
             if d not in self.ranks:

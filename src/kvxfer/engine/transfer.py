@@ -385,7 +385,7 @@ class Transfer(RequestEnd):
         self.quarantine_until = self.deadline + ctx.config.lease_s
         for d in self.ranks:
             req = self.ids.plan(peer.plans[d])
-            ls, rs = self.ids.local_state, self.ids.remote_state  # None: the attention ids
+            ls, rs = self.ids.local_state, self.ids.remote_state  # None: none named
             backend = ctx.ranks[d].backend
             for ids in req.sources:
                 msg = PushRequest(

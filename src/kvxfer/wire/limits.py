@@ -21,7 +21,8 @@ Schema evolution rules (``SCHEMA_VERSION`` = 2; 2 added attempt ids, whose meani
    which is part of :func:`compat_hash`, so old and new peers refuse each other
    with :class:`IncompatibleError` instead of misreading each other.
 5. A field's bounds may narrow only to refuse what no earlier sender sent within
-   its documented settings (``budget_ms`` at most an hour; a rank below its size):
+   its documented settings (``budget_ms`` at most an hour, as ``deadline_s`` is; a
+   consumer rank below its consumer size):
    such a value only ever came from a forger or a bug.
 """
 

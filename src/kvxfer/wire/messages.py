@@ -68,11 +68,8 @@ class WriteDone(_Msg, frozen=True, tag="wd"):
     request_id: RequestId
     generation: U64
     producer_rank: SmallInt
-    producer_size: SmallInt
+    producer_size: SmallInt  # the sender process's ranks (unchecked: a rank may exceed it)
     attempt: U64 = 0
-
-    def __post_init__(self) -> None:
-        _check_rank("producer", self.producer_rank, self.producer_size)
 
 
 class Abort(_Msg, frozen=True, tag="ab"):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvxfer.engine.config import check_hold_slots, check_seconds
+from kvxfer.engine.config import MAX_DEADLINE_S, check_hold_slots, check_seconds
 from kvxfer.errors import ConfigError, LayoutError
 from kvxfer.integrations.vllm.allow import Allowed, allowed_prefills, is_decimal, refuse_address
 from kvxfer.wire.auth import ENV_KEY, MIN_KEY_BYTES, load_auth_key
@@ -89,7 +89,9 @@ def peer_list(value: Any, allowed: tuple[Allowed, ...] | None = None) -> tuple[s
     return tuple(value)
 
 
-def seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
+def seconds(
+    name: str, value: Any, *, allow_zero: bool = False, max_s: float | None = None
+) -> float:
     """The extra-config value of key ``name`` as seconds: a finite number > 0 (>= 0 with
     ``allow_zero``). A numeric string is taken (JSON from a command line may quote it).
 
@@ -102,7 +104,7 @@ def seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
             value = float(value)
         except ValueError:
             raise ConfigError(f"{key} must be a number of seconds, got {value!r}") from None
-    return check_seconds(key, value, allow_zero=allow_zero)
+    return check_seconds(key, value, allow_zero=allow_zero, max_s=max_s)
 
 
 def idle_wait(value: Any) -> float:
@@ -226,7 +228,7 @@ def _secs(allow_zero: bool = False) -> Callable[[str, Any], float]:
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "side_channel_host": _host,
     "side_channel_port": _port,
-    "deadline_s": _secs(),
+    "deadline_s": lambda name, value: seconds(name, value, max_s=MAX_DEADLINE_S),
     "lease_s": _secs(),
     "heartbeat_s": _secs(),
     "silence_s": _secs(allow_zero=True),
