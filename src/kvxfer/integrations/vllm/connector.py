@@ -85,6 +85,12 @@ def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
     return str(backend.get_name()) if backend is not None else "unknown"
 
 
+def _weights_source(model_config: Any) -> str:
+    """What ``--model`` named: vLLM replaces an object-storage URL in ``model`` with its
+    local copy's directory (host-dependent) and keeps the URL in ``model_weights``."""
+    return str(getattr(model_config, "model_weights", "") or model_config.model)
+
+
 def check_cache_groups(kv_cache_config: Any) -> None:
     """Refuse KV caches whose blocks vLLM drops while a request lives (sliding window,
     chunked local attention, circular buffers, state caches): it swaps a block a
@@ -226,7 +232,7 @@ class KvxferConnector(KVConnectorBase_V1):
             is_producer=kv.is_kv_producer,
             is_consumer=kv.is_kv_consumer,
             model_name=self._extra.model_name
-            or model_identity(str(cfg.model_config.model), cfg.model_config.revision),
+            or model_identity(_weights_source(cfg.model_config), cfg.model_config.revision),
             dtype=dtype,
             extra=self._extra,
             kv_dtype=kv_cache_dtype(dtype, str(getattr(cfg.cache_config, "cache_dtype", "auto"))),
