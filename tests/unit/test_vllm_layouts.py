@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvxfer.errors import LayoutError
-from kvxfer.integrations.vllm.layouts import backend_kind, spec_from_vllm_tensors
+from kvxfer.integrations.vllm.layouts import backend_kind, distinct_layers, spec_from_vllm_tensors
 from kvxfer.layout.model import TokenLayout
 from kvxfer.layout.spec import AttnKind
 
@@ -145,3 +145,12 @@ def test_tensors_on_other_devices_or_mixed_devices_are_refused() -> None:
     mixed = [torch.zeros(NB, H, T, 2 * D), _OnGpu(torch.zeros(NB, H, T, 2 * D), 0)]
     with pytest.raises(LayoutError, match=r"layer 1.*cuda:0"):
         spec_from_vllm_tensors(mixed, backend="CPU_ATTN", block_size=T, num_kv_heads=H)
+
+
+def test_layers_that_share_one_kv_tensor_are_registered_once() -> None:
+    # cross-layer KV sharing (vLLM's kv_sharing_target_layer_name: Gemma-3n): several
+    # layer names map to one tensor; registering each would make overlapping regions
+    a, b = torch.zeros(4, 2, 16, 16), torch.zeros(4, 2, 16, 16)
+    caches = {"l0": a, "l1": b, "l2": a, "l3": b[:]}  # l3: another view of b's bytes
+    assert distinct_layers(caches) == ["l0", "l1"]
+    assert distinct_layers({"x": a}) == ["x"]

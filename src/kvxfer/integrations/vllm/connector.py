@@ -31,6 +31,7 @@ from vllm.v1.request import RequestStatus
 from kvxfer.errors import ConfigError
 from kvxfer.integrations.vllm import stats
 from kvxfer.integrations.vllm.extra import parse_extra
+from kvxfer.integrations.vllm.layouts import distinct_layers
 from kvxfer.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.integrations.vllm.params import prompt_context
 from kvxfer.integrations.vllm.scheduler import (
@@ -220,7 +221,7 @@ class KvxferConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         cfg, kv = self._vllm_config, self._vllm_config.kv_transfer_config
-        names = list(kv_caches)
+        names = distinct_layers(kv_caches)  # layers sharing one KV tensor count once
         dtype = str(cfg.model_config.dtype).removeprefix("torch.")
         settings = WorkerSettings(
             engine_id=self._engine_id,

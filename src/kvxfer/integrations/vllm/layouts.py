@@ -28,7 +28,7 @@ from kvxfer.layout.buffers import host_view
 from kvxfer.layout.model import DeviceBuffer, MemKind, TokenLayout
 from kvxfer.layout.spec import AttnKind, LayoutSpec
 
-__all__ = ["backend_kind", "spec_from_vllm_tensors"]
+__all__ = ["backend_kind", "distinct_layers", "spec_from_vllm_tensors"]
 
 U8 = npt.NDArray[np.uint8]
 
@@ -66,6 +66,21 @@ def _physical(t: Any, dims: tuple[str, ...]) -> tuple[str, ...]:
             )
         expect *= t.shape[i]
     return tuple(dims[i] for i in order)
+
+
+def distinct_layers(kv_caches: dict[str, Any]) -> list[str]:
+    """The layer names of ``kv_caches`` (vLLM's ``register_kv_caches`` dict, in its order)
+    whose tensors start at an address no earlier name's does: with cross-layer KV
+    sharing (``kv_sharing_target_layer_name``) several layers name one tensor, whose
+    bytes are registered, and moved, once. Both sides of a pair drop the same names."""
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for name, t in kv_caches.items():
+        key = (str(t.device), int(t.data_ptr()))
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
 
 
 def spec_from_vllm_tensors(
