@@ -108,6 +108,7 @@ class _Load:
     transfer: Transfer | None
     error: str = ""
     contacting: bool = False  # its producer was being contacted when it started
+    aborted: bool = False  # vLLM finished the request meanwhile: the load was cancelled
 
 
 class WorkerSide:
@@ -245,6 +246,7 @@ class WorkerSide:
         for rid in aborted:
             load = self._loads.get(rid)
             if load is not None and load.transfer is not None:
+                load.aborted = not load.transfer.poll().is_terminal
                 load.transfer.cancel()  # no-op once it ended
         if idle_wait_s <= 0:
             self._yield_to_first_contact()
@@ -278,7 +280,11 @@ class WorkerSide:
             del self._loads[rid]
             recving.add(rid)
             self._count(load, state)
-            if state is not RequestState.DONE:
+            if state is not RequestState.DONE and load.aborted:
+                # vLLM frees a finished request's blocks: no failure policy applies
+                log.info("request %s: finished by vLLM during its KV load; the load was "
+                         "cancelled", rid)  # fmt: skip
+            elif state is not RequestState.DONE:
                 e = load.transfer.error if load.transfer is not None else None
                 err = load.error or (f"{type(e).__name__}: {e}" if e is not None else "")
                 log.warning("request %s: KV load ended %s (%s); %d blocks go to kv_load_failure_policy",
