@@ -39,6 +39,15 @@ def test_an_unknown_extra_config_key_stops_the_instance_naming_it(ci: dict[str, 
     assert any(want in line for line in bad["log"]), bad["log"]
 
 
+def test_a_sliding_window_model_is_refused_at_start_naming_its_cache(ci: dict[str, Any]) -> None:
+    sw = ci["sliding_window"]
+    assert sw["started"] is False
+    want = (
+        "kvxfer's connector supports full-attention KV caches only; group 0 is a SlidingWindowSpec"
+    )
+    assert any(want in line for line in sw["log"]), sw["log"]
+
+
 def test_negative_control_decode_uses_transferred_kv(ci: dict[str, Any]) -> None:
     neg = ci["negative"]
     assert neg["finish_reason"] == "length"

@@ -26,11 +26,14 @@ def build(
     vocab: int = 1024,
     max_pos: int = 4096,
     seed: int = 1234,
+    sliding_window: int | None = None,
 ) -> str:
     """Write the checkpoint to ``out`` (skipped when it is already there) and return the
-    hex sha256 of its weights."""
+    hex sha256 of its weights. ``sliding_window``: a Mistral whose every layer attends to
+    that many tokens (vLLM then keeps a sliding-window KV cache)."""
     digest_path = os.path.join(out, "WEIGHTS_SHA256")
-    want = json.dumps([layers, kv_heads, heads, head_dim, intermediate, vocab, max_pos, seed])
+    shape = [layers, kv_heads, heads, head_dim, intermediate, vocab, max_pos, seed]
+    want = json.dumps(shape if sliding_window is None else [*shape, sliding_window])
     args_path = os.path.join(out, "BUILD_ARGS")
     if os.path.exists(digest_path) and os.path.exists(args_path):
         with open(args_path) as f:
@@ -38,18 +41,21 @@ def build(
                 with open(digest_path) as g:
                     return g.read().strip()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     if heads % kv_heads:
         raise ValueError(f"heads {heads} must be a multiple of kv_heads {kv_heads}")
-    cfg = LlamaConfig(
+    config_cls: Any = LlamaConfig if sliding_window is None else MistralConfig
+    extra = {} if sliding_window is None else {"sliding_window": sliding_window}
+    cfg = config_cls(
         vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, max_position_embeddings=max_pos, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model: Any = LlamaForCausalLM(cfg).to(torch.float32)
+    model_cls: Any = LlamaForCausalLM if sliding_window is None else MistralForCausalLM
+    model: Any = model_cls(cfg).to(torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # explicit init: independent of transformers' init order
         for name, p in sorted(model.named_parameters()):

@@ -211,8 +211,26 @@ def _bad_config(a: argparse.Namespace) -> dict[str, Any]:
     return {"started": started, "log": _log_lines(bad, "ConfigError")}
 
 
+def _sliding_window(a: argparse.Namespace) -> dict[str, Any]:
+    """Start a kvxfer instance of a model whose every layer uses sliding-window attention
+    (vLLM keeps its blocks outside the window as a shared null block): it must refuse to
+    start, naming the cache it cannot pair."""
+    path = f"{a.model.rstrip('/')}-swa"
+    build(path, layers=2, kv_heads=2, sliding_window=64)
+    swa = _start("swa", a, "kvxfer", "0", model=path)
+    try:
+        swa.wait_ready()
+        started = True
+    except RuntimeError:
+        started = False
+    finally:
+        swa.stop()
+    return {"started": started, "log": _log_lines(swa, "ConfigError")}
+
+
 def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     bad_config = _bad_config(a)  # first, alone: it fails in its workers' start-up
+    sliding = _sliding_window(a)  # alone too: refused when its KV cache is known
     prompts = make_prompts(4, VOCAB, [40, 70, 129, 17], seed=1)
     neg = make_prompts(1, VOCAB, [70], seed=7)[0]
     par = make_prompts(1, VOCAB, [100], seed=5)[0]
@@ -250,7 +268,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
             "init": init, "records": records, "negative": _negative(p, d, neg, ref["neg"]),
-            "bad_config": bad_config,
+            "bad_config": bad_config, "sliding_window": sliding,
             "parallel": _parallel(p, d, par, ref["par"]),
             "log": _log_lines(d, "already took it", "made for another prompt"),
             "two_engines": _two_engines(p, d, d2, two, ref["two"], pool),
