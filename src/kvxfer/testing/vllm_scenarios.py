@@ -196,19 +196,23 @@ def _released(p: Instance, n: int, timeout_s: float = 10) -> dict[str, float]:
     return m
 
 
-def _bad_config(a: argparse.Namespace) -> dict[str, Any]:
-    """Start an instance whose extra config has a typo (``deadline`` for ``deadline_s``):
-    it must refuse to start, and its log must name the key (an unknown key used to be
-    ignored, the load running with the default deadline)."""
-    bad = _start("badconfig", a, "kvxfer", "0", extra={"deadline": 5})
+def _refused_start(inst: Instance) -> dict[str, Any]:
+    """Wait for ``inst`` to start (it should not); whether it did, and its ConfigError lines."""
     try:
-        bad.wait_ready()
+        inst.wait_ready()
         started = True
     except RuntimeError:
         started = False
     finally:
-        bad.stop()
-    return {"started": started, "log": _log_lines(bad, "ConfigError")}
+        inst.stop()
+    return {"started": started, "log": _log_lines(inst, "ConfigError")}
+
+
+def _bad_config(a: argparse.Namespace) -> dict[str, Any]:
+    """Start an instance whose extra config has a typo (``deadline`` for ``deadline_s``):
+    it must refuse to start, and its log must name the key (an unknown key used to be
+    ignored, the load running with the default deadline)."""
+    return _refused_start(_start("badconfig", a, "kvxfer", "0", extra={"deadline": 5}))
 
 
 def _sliding_window(a: argparse.Namespace) -> dict[str, Any]:
@@ -217,15 +221,7 @@ def _sliding_window(a: argparse.Namespace) -> dict[str, Any]:
     start, naming the cache it cannot pair."""
     path = f"{a.model.rstrip('/')}-swa"
     build(path, layers=2, kv_heads=2, sliding_window=64)
-    swa = _start("swa", a, "kvxfer", "0", model=path)
-    try:
-        swa.wait_ready()
-        started = True
-    except RuntimeError:
-        started = False
-    finally:
-        swa.stop()
-    return {"started": started, "log": _log_lines(swa, "ConfigError")}
+    return _refused_start(_start("swa", a, "kvxfer", "0", model=path))
 
 
 def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
