@@ -325,9 +325,9 @@ MAX_REQUEST_DESCRIPTORS = 1 << 24  # per source rank: ~16.8 M, 200+ MB of ids to
 def _check_size(src: SourcePlan, num_kernel_ids: int, num_state_ids: int) -> None:
     """Refuse a request whose descriptors (rows x ids) would pass the limit, before any
     array is built: a small plan file or a peer's record can name billions."""
-    base = np.arange(src.num_rows) < src.num_base_rows
-    num_attn = int(np.count_nonzero(~src.row_is_state & base))
-    num_state = int(np.count_nonzero(src.row_is_state & base))
+    is_state = src.row_is_state[: src.num_base_rows]  # base rows first, run rows after
+    num_state = int(np.count_nonzero(is_state))
+    num_attn = is_state.size - num_state
     total = num_attn * num_kernel_ids + num_state * num_state_ids
     if total > MAX_REQUEST_DESCRIPTORS:
         raise LayoutError(
