@@ -100,3 +100,31 @@ def test_an_aborted_request_stops_its_load_at_once() -> None:
         assert side.take_load_errors() == set()  # vLLM frees them: no policy applies
         assert side.finished() == (set(), set())  # the other load goes on
         assert "d-y" in side._loads
+
+
+def test_a_reader_of_a_hold_that_failed_to_start_fails_at_once() -> None:
+    # the scheduler handed the ticket out with the params before the worker's hold
+    # failed: a decode reading with it saw "not started yet" at every check until its
+    # deadline (30 s in vLLM). The failed hold's slot now says the ticket ended.
+    from kvxfer.engine import Consumer, RequestState
+    from kvxfer.errors import HoldEndedError
+
+    cfg = EngineConfig("wjt", model_name="tiny-gqa")
+    with (
+        _RefusingProducer(cfg, [(SPEC, allocate_cache(SPEC))]) as p,
+        Consumer(EngineConfig("wjtd", model_name="tiny-gqa"), [(SPEC, allocate_cache(SPEC))]) as c,
+    ):
+        side = _side()
+        side.producer = p
+        live = p.hold("live", block_ids=[1])  # ticket 1; the scheduler's next is 2
+        side.start([], [HoldJob("refused", (2,), ticket=live.ticket + 1)])
+        t0 = time.monotonic()
+        t = c.read("refused", p.address, local_block_ids=[3], remote_block_ids=[2],
+                   hold_ticket=live.ticket + 1, deadline_s=20.0)  # fmt: skip
+        assert t.wait(25) is RequestState.FAILED, (t.state, t.error)
+        assert isinstance(t.error, HoldEndedError), t.error
+        assert time.monotonic() - t0 < 5.0
+        # the live hold's readers are untouched (another slot)
+        ok = c.read("live", p.address, local_block_ids=[4], remote_block_ids=[1],
+                    hold_ticket=live.ticket)  # fmt: skip
+        assert ok.wait(20) is RequestState.DONE, ok.error

@@ -247,6 +247,24 @@ class Producer:
             r.words[slot] = released_word(ticket)
         self._book.free(ticket)
 
+    def refuse_ticket(self, ticket: int) -> bool:
+        """Say, in its slot, that ``ticket``'s hold has ended: for a ticket handed out
+        (with params) whose hold failed to start and never will. A reader with it then
+        fails at its first check instead of waiting for the hold until its deadline.
+        Nothing is written while a live hold uses the slot, or once the slot is past the
+        ticket (words only grow). True if the slot now says so."""
+        with self._lock:
+            slot = slot_of(ticket, self._book.num_slots)
+            if any(slot_of(t, self._book.num_slots) == slot for t in self._tickets.values()):
+                return False
+            word = released_word(ticket)
+            for r in self.ranks:
+                if int(r.words[slot]) > word:
+                    return False
+            for r in self.ranks:
+                r.words[slot] = word
+            return True
+
     def release(self, request_id: str) -> bool:
         """Stop holding ``request_id`` now, on every rank (the caller frees its blocks; it
         is not reported by :meth:`pop_freed`). False if it was not held."""

@@ -181,6 +181,8 @@ class WorkerSide:
             try:
                 self.producer.hold(h.request_id, block_ids=h.block_ids, ticket=h.ticket or None)
             except Exception as e:  # one bad job must not stop the step
+                if h.ticket:  # its params are out: their readers fail now, not at deadline
+                    self.producer.refuse_ticket(h.ticket)
                 if self.producer.held_block_ids(h.request_id) is not None:
                     # its id is held already (the scheduler side never offers that):
                     # that hold's release reports the id; reporting it twice would not do
