@@ -128,3 +128,21 @@ def test_a_reader_of_a_hold_that_failed_to_start_fails_at_once() -> None:
         ok = c.read("live", p.address, local_block_ids=[4], remote_block_ids=[1],
                     hold_ticket=live.ticket)  # fmt: skip
         assert ok.wait(20) is RequestState.DONE, ok.error
+
+
+def test_a_refused_ticket_never_ends_a_live_hold_in_its_slot() -> None:
+    cfg = EngineConfig("wjs", model_name="tiny-gqa", hold_slots=4)
+    with Producer(cfg, [(SPEC, allocate_cache(SPEC))]) as p:
+        live = p.hold("live", block_ids=[1])
+        assert live.ticket == 1  # the first ticket: slot 1 of 4
+        words = p.ranks[0].words
+        slot = live.ticket % 4
+        assert p.refuse_ticket(live.ticket + 4) is False  # same slot, live: untouched
+        assert int(words[slot]) == live.ticket << 1
+        assert p.refuse_ticket(live.ticket + 1) is True  # a free slot
+        assert int(words[(live.ticket + 1) % 4]) == ((live.ticket + 1) << 1) | 1
+        p.hold("later", block_ids=[2], ticket=10)  # slot 2, after the refused ticket 2
+        p.release("later")
+        assert p.refuse_ticket(6) is False  # slot 2 is past ticket 6: words only grow
+        assert int(words[2]) == (10 << 1) | 1
+        assert p.refuse_ticket(0) is False  # no ticket

@@ -253,6 +253,8 @@ class Producer:
         fails at its first check instead of waiting for the hold until its deadline.
         Nothing is written while a live hold uses the slot, or once the slot is past the
         ticket (words only grow). True if the slot now says so."""
+        if ticket <= 0:
+            return False  # 0: no ticket
         with self._lock:
             slot = slot_of(ticket, self._book.num_slots)
             if any(slot_of(t, self._book.num_slots) == slot for t in self._tickets.values()):
