@@ -8,11 +8,14 @@ import time
 
 import pytest
 
-from kvxfer.engine import EngineConfig, Producer, allocate_cache
+from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, allocate_cache
+from kvxfer.errors import HoldEndedError
 from kvxfer.integrations.vllm.extra import ExtraConfig
-from kvxfer.integrations.vllm.scheduler import HoldJob
+from kvxfer.integrations.vllm.params import RemotePrefill
+from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
 from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
 from kvxfer.layout.presets import spec_for
+from kvxfer.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,10 +84,6 @@ def test_an_aborted_request_stops_its_load_at_once() -> None:
     # first contact (params naming a host that never answers) pinned them until the
     # contact's timeout, then its deadline. vLLM names the aborted request in
     # get_finished's finished_req_ids: the load is cancelled and reported there.
-    from kvxfer.engine import Consumer
-    from kvxfer.integrations.vllm.params import RemotePrefill
-    from kvxfer.integrations.vllm.scheduler import LoadJob
-    from kvxfer.testing.ports import free_port
 
     cfg = EngineConfig("wja", model_name="tiny-gqa", handshake_timeout_s=30.0)
     with Consumer(cfg, [(SPEC, allocate_cache(SPEC))]) as cons:
@@ -106,8 +105,6 @@ def test_a_reader_of_a_hold_that_failed_to_start_fails_at_once() -> None:
     # the scheduler handed the ticket out with the params before the worker's hold
     # failed: a decode reading with it saw "not started yet" at every check until its
     # deadline (30 s in vLLM). The failed hold's slot now says the ticket ended.
-    from kvxfer.engine import Consumer, RequestState
-    from kvxfer.errors import HoldEndedError
 
     cfg = EngineConfig("wjt", model_name="tiny-gqa")
     with (
@@ -151,9 +148,6 @@ def test_a_refused_ticket_never_ends_a_live_hold_in_its_slot() -> None:
 def test_a_load_missing_blocks_the_prefill_dropped_fails_without_reading() -> None:
     # sliding window: this decode keeps a block whose KV the prefill already dropped
     # (vLLM's null block in the params): the load cannot be complete
-    from kvxfer.engine import Consumer
-    from kvxfer.integrations.vllm.params import RemotePrefill
-    from kvxfer.integrations.vllm.scheduler import LoadJob
 
     with Consumer(EngineConfig("wjn", model_name="tiny-gqa"), [(SPEC, allocate_cache(SPEC))]) as c:
         side = _side()
