@@ -143,19 +143,3 @@ def test_a_refused_ticket_never_ends_a_live_hold_in_its_slot() -> None:
         assert p.refuse_ticket(6) is False  # slot 2 is past ticket 6: words only grow
         assert int(words[2]) == (10 << 1) | 1
         assert p.refuse_ticket(0) is False  # no ticket
-
-
-def test_a_load_missing_blocks_the_prefill_dropped_fails_without_reading() -> None:
-    # sliding window: this decode keeps a block whose KV the prefill already dropped
-    # (vLLM's null block in the params): the load cannot be complete
-
-    with Consumer(EngineConfig("wjn", model_name="tiny-gqa"), [(SPEC, allocate_cache(SPEC))]) as c:
-        side = _side()
-        side.consumer = c
-        remote = RemotePrefill(
-            "p", "x", "tcp://127.0.0.1:9", (1,), (0, 5), 16, 1, 32, hold_ticket=3
-        )
-        side.start([LoadJob("d-x", remote, (6, 7), (0, 5), num_dropped=1)], [])
-        assert side.finished() == (set(), {"d-x"})
-        assert side.take_load_errors() == {6, 7}
-        assert c.stats().first_contacts == ()  # nothing was contacted

@@ -448,33 +448,3 @@ def test_hold_slots_config_is_a_bounded_integer() -> None:
     for bad in (0, -1, 1 << 25, 2.5, True, "many"):
         with pytest.raises(ConfigError, match="hold_slots must be an integer"):
             hold_slots(bad)
-
-
-# Sliding-window caches: vLLM swaps the blocks a request no longer attends to for its
-# null block (id 0), in the prefill's offer and in the decode's allocation alike.
-
-
-def test_a_sliding_window_prefill_holds_only_the_blocks_it_kept() -> None:
-    s = _prefill_side()
-    params = s.finished("w", {"do_remote_decode": True}, [0, 0, 7, 8], 120, True, PROMPT)[1]
-    assert params is not None and params["remote_block_ids"] == [0, 0, 7, 8]  # positional
-    (hold,) = s.take_step().holds
-    assert hold.block_ids == (7, 8)
-
-
-def test_a_sliding_window_decode_loads_only_the_blocks_it_keeps() -> None:
-    s = _decode_side()
-    remote = dataclasses.replace(REMOTE, block_ids=(0, 4, 11))
-    assert s.matched_tokens("w1", PROMPT, compose_params(remote), 0) == (70, True)
-    s.after_alloc("w1", [0, 6, 7], 70)  # the decode dropped the first block too
-    (job,) = s.take_step().loads
-    assert (job.local_block_ids, job.remote_block_ids, job.num_dropped) == ((6, 7), (4, 11), 0)
-
-
-def test_a_block_the_decode_keeps_but_the_prefill_dropped_fails_the_load() -> None:
-    s = _decode_side()
-    remote = dataclasses.replace(REMOTE, block_ids=(0, 0, 11))
-    assert s.matched_tokens("w2", PROMPT, compose_params(remote), 0) == (70, True)
-    s.after_alloc("w2", [0, 6, 7], 70)  # block 6 is needed here, gone there
-    (job,) = s.take_step().loads
-    assert (job.local_block_ids, job.remote_block_ids, job.num_dropped) == ((6, 7), (0, 11), 1)

@@ -1,8 +1,8 @@
 """The CI case: P1->D1 in a real vLLM, 4 prompts, token equality, the negative
 control, params made for another prompt, parallel sampling, the same params on a
 second decode engine, push mode (a third decode with ``transfer_mode`` "push"), and a
-decode of another model of the same architecture, in one set of instance lifetimes, and
-before them a P/D pair of a sliding-window model (~4 min with start-up on 2 cores). All five instances hold one deployment key
+decode of another model of the same architecture, in one set of instance lifetimes
+(~3 min with start-up on 2 cores). All five instances hold one deployment key
 (``auth_key_file``): every transfer below is authenticated."""
 
 from __future__ import annotations
@@ -39,22 +39,13 @@ def test_an_unknown_extra_config_key_stops_the_instance_naming_it(ci: dict[str, 
     assert any(want in line for line in bad["log"]), bad["log"]
 
 
-def test_sliding_window_decode_tokens_equal_colocated(ci: dict[str, Any]) -> None:
-    # every layer attends to its last 64 tokens (blocks of 32): vLLM drops the blocks
-    # before the window on both sides, and only the kept ones travel
+def test_a_sliding_window_model_is_refused_at_start_naming_its_cache(ci: dict[str, Any]) -> None:
     sw = ci["sliding_window"]
-    assert sw["log"] == [], sw["log"]  # no load failed (the policy is fail)
-    for r in sw["records"]:
-        assert r["finish_reason"] == "length", r
-        assert r["tokens"] == r["ref"], f"prompt of {r['prompt_len']} tokens: {r}"
-        # loaded: vLLM counts the whole blocks before the prompt's last token
-        assert r["num_cached_tokens"] == (r["prompt_len"] - 1) // 32 * 32, r
-    # lengths around the block (32) and window (64) edges; past 96 tokens blocks drop
-    assert [r["prompt_len"] for r in sw["records"]] == [20, 63, 64, 65, 95, 96, 97, 128,
-                                                        129, 160, 161, 200, 257]  # fmt: skip
-    neg = sw["negative"]  # a 200-token prompt read from another's KV: the decode used it
-    assert neg["finish_reason"] == "length" and len(neg["tokens"]) == 8
-    assert neg["tokens"] != neg["ref"], "decoding A with B's window KV gave A's tokens"
+    assert sw["started"] is False
+    want = (
+        "kvxfer's connector supports full-attention KV caches only; group 0 is a SlidingWindowSpec"
+    )
+    assert any(want in line for line in sw["log"]), sw["log"]
 
 
 def test_negative_control_decode_uses_transferred_kv(ci: dict[str, Any]) -> None:

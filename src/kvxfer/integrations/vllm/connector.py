@@ -93,33 +93,29 @@ def _weights_source(model_config: Any) -> str:
 
 
 def check_cache_groups(kv_cache_config: Any) -> None:
-    """Refuse the KV caches the connector cannot pair: any but full attention (MLA
-    included) and sliding window. A sliding-window cache swaps the blocks a request no
-    longer attends to for vLLM's null block, in the prefill's offer and in the decode's
-    allocation alike, and the scheduler side skips those pairs (block 0 is never read
-    nor reported); chunked local attention, circular buffers, attention sinks and
-    state caches have block rules of their own that kvxfer does not follow."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
+    """Refuse KV caches whose blocks vLLM drops while a request lives (sliding window,
+    chunked local attention, circular buffers, state caches): it swaps a block a
+    request no longer attends to for its shared null block, in the prefill's offer and
+    in the decode's allocation alike, so a load would name that one block many times
+    and a failed load would report it as lost for every request holding it. Only
+    full-attention caches (MLA included) keep every block of a prompt."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     for i, group in enumerate(groups):
         spec = group.kv_cache_spec
         inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
         for one in inner.values() if isinstance(inner, dict) else [spec]:
-            if type(one) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
+            if type(one) not in (FullAttentionSpec, MLAAttentionSpec):
                 window = getattr(one, "sliding_window", None) or getattr(
                     one, "attention_chunk_size", None
                 )
                 raise ConfigError(
-                    "kvxfer's connector supports full-attention and sliding-window KV "
-                    f"caches only; group {i} is a {type(one).__name__}"
+                    f"kvxfer's connector supports full-attention KV caches only; group {i} "
+                    f"is a {type(one).__name__}"
                     + (f" (window {window} tokens)" if window else "")
-                    + ": vLLM manages its blocks by rules a transfer does not follow; "
-                    "serve this model without the connector"
+                    + ": vLLM drops such a cache's blocks outside the window, which a "
+                    "transfer cannot pair; serve this model without the connector"
                 )
 
 
@@ -143,8 +139,8 @@ class KvxferConnector(KVConnectorBase_V1):
     says what each does), read and checked once when the connector starts, in both
     roles (the deployment key is read in the workers' role only): a bad value or a key
     kvxfer does not know stops it with a ``ConfigError`` that names the key. Pipeline
-    parallelism is refused the same way, and so are KV caches other than full attention
-    and sliding window (chunked local attention, attention sinks: :func:`check_cache_groups`).
+    parallelism is refused the same way, and so are KV caches whose blocks vLLM drops
+    during a request (sliding window, chunked local attention: :func:`check_cache_groups`).
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):

@@ -72,9 +72,6 @@ class LoadJob:
     remote: RemotePrefill
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
-    # blocks this decode keeps whose KV the prefill already dropped (sliding window: its
-    # null block): the load cannot be complete and fails (never reads block 0)
-    num_dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +100,6 @@ class _Pending:
 
 _ClaimKey = tuple[str, str, tuple[int, ...]]  # prefill engine, its request id, generations
 MAX_CLAIMS = 1 << 17  # claims kept at once (each ends with its lease)
-# vLLM's null block (its block pool's first, never a request's own): a sliding-window
-# cache names it for the blocks a request no longer attends to
-NULL_BLOCK = 0
 
 
 @dataclass(slots=True)
@@ -261,14 +255,8 @@ class SchedulerSide:
             log.warning("request %s: %d local blocks for %d remote blocks", request_id,
                         len(local_ids), len(remote_ids))  # fmt: skip
             remote_ids = remote_ids[: len(local_ids)]
-        # a sliding-window cache: vLLM's null block stands for a block outside the
-        # window; one this decode dropped is not read, one only the prefill dropped
-        # cannot be (its KV is gone)
-        pairs = [(lo, re) for lo, re in zip(local_ids, remote_ids, strict=True) if lo != NULL_BLOCK]
-        dropped = sum(re == NULL_BLOCK for _, re in pairs)
         self._loaded.add(request_id)
-        self._step.loads.append(LoadJob(request_id, pending.remote, tuple(lo for lo, _ in pairs),
-                                        tuple(re for _, re in pairs), dropped))  # fmt: skip
+        self._step.loads.append(LoadJob(request_id, pending.remote, local_ids, tuple(remote_ids)))
 
     def take_step(self) -> StepJobs:
         """The jobs collected since the last step (resets them)."""
@@ -335,8 +323,7 @@ class SchedulerSide:
             hold_ticket=ticket,
         )
         self._held[request_id] = ticket
-        kept = tuple(b for b in remote.block_ids if b != NULL_BLOCK)  # sliding window
-        self._step.holds.append(HoldJob(request_id, kept, ticket))
+        self._step.holds.append(HoldJob(request_id, remote.block_ids, ticket))
         return True, compose_params(remote)
 
     def freed(self, request_ids: Iterable[str]) -> None:

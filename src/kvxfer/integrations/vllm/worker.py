@@ -201,11 +201,6 @@ class WorkerSide:
         if self.consumer is None:
             self._loads[job.request_id] = _Load(job, None, "this engine is not a kv consumer")
             return
-        if job.num_dropped:  # sliding window: KV this decode needs, gone at the prefill
-            why = (f"the prefill dropped {job.num_dropped} block(s) of this request that this "
-                   "decode still attends to (sliding window)")  # fmt: skip
-            self._loads[job.request_id] = _Load(job, None, why)
-            return
         r = job.remote
         local, remote = list(job.local_block_ids), list(job.remote_block_ids)
         try:
