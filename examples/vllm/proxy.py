@@ -4,7 +4,9 @@
 POST /v1/completions is sent first to the prefill server with ``max_tokens: 1`` and
 ``kv_transfer_params: {"do_remote_decode": true}``; the ``kv_transfer_params`` of its
 response are passed, unchanged, to the decode server with the original request, whose
-response is returned. The client's ``Authorization`` header goes to both servers.
+response is returned. The client's ``Authorization`` header goes to both servers. A
+request with prompt log-probs goes to the decode alone (vLLM reads no KV for it), and
+one whose first token is a stop token is computed by the decode (no KV is offered).
 
 Refused with 400 before any server sees them: ``"stream": true`` (not supported), a
 batch of prompts (the prefill returns the first prompt's params only: send one prompt
@@ -63,14 +65,26 @@ def disaggregate(prefill: str, decode: str, body: dict[str, Any],
     """One completion: prefill (1 token, keeps the KV), then decode (reads it)."""
     # the prefill makes one token: min_tokens above it, or stream_options without a
     # stream, are refused by vLLM
-    base = {k: v for k, v in body.items() if k != "stream_options"}
+    base = {k: v for k, v in body.items() if k not in ("stream_options", "kv_transfer_params")}
+    base["stream"] = False
+    if body.get("prompt_logprobs") or (body.get("echo") and body.get("logprobs") is not None):
+        # vLLM computes prompt log-probs on the decode, reading no KV: a prefill's hold
+        # would only be pinned until its lease ends
+        return _call("decode", f"{decode}/v1/completions", base, headers)
+    # one token, one sequence (vLLM copies the params into each of n children: n holds,
+    # one read); min_tokens above it is refused by vLLM
     pre = {k: v for k, v in base.items() if k != "min_tokens"}
-    pre.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-    params = _call("prefill", f"{prefill}/v1/completions", pre, headers).get("kv_transfer_params")
+    pre.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+    out = _call("prefill", f"{prefill}/v1/completions", pre, headers)
+    params = out.get("kv_transfer_params")
     if not params:
+        choices = out.get("choices") or [{}]
+        if isinstance(choices[0], dict) and choices[0].get("finish_reason") == "stop":
+            # the first token was a stop token: vLLM offers no KV; the decode computes
+            return _call("decode", f"{decode}/v1/completions", base, headers)
         raise Refused(502, "prefill: returned no kv_transfer_params (is its connector set?)")
     return _call("decode", f"{decode}/v1/completions",
-                 {**base, "stream": False, "kv_transfer_params": params}, headers)  # fmt: skip
+                 {**base, "kv_transfer_params": params}, headers)  # fmt: skip
 
 
 def _call(side: str, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:

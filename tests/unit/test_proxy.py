@@ -30,7 +30,7 @@ class Backend:
     """A fake vLLM completions server; ``fail`` makes it answer that status."""
 
     def __init__(self, role: str) -> None:
-        self.role, self.seen, self.fail = role, [], 0
+        self.role, self.seen, self.fail, self.stopped = role, [], 0, False
         backend = self
 
         class H(BaseHTTPRequestHandler):
@@ -43,6 +43,8 @@ class Backend:
                 if backend.fail:
                     out: dict[str, Any] = {"error": {"message": "boom", "code": backend.fail}}
                     code = backend.fail
+                elif backend.role == "prefill" and backend.stopped:
+                    out, code = {"choices": [{"text": "", "finish_reason": "stop"}]}, 200
                 elif backend.role == "prefill":
                     out, code = {"choices": [{"text": "x"}], "kv_transfer_params": {"k": 1}}, 200
                 else:
@@ -157,3 +159,30 @@ def test_bad_lengths_and_stalled_clients_get_an_answer(pd: Any, head: bytes, sta
     out = _raw(url, head)
     assert out.split(b"\r\n", 1)[0].split(b" ")[1] == status, out[:200]
     assert p.seen == d.seen == []
+
+
+def test_parallel_sampling_prefills_once(pd: Any) -> None:
+    # vLLM copies a request's params into each of its n children: the prefill made n
+    # holds of which one at most is read, the others pinned until their lease ended
+    p, d, url = pd
+    assert ask(url, {"prompt": [1, 2], "n": 3})[0] == 200
+    assert p.seen[0]["body"]["n"] == 1 and d.seen[0]["body"]["n"] == 3
+
+
+@pytest.mark.parametrize(
+    "extra", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}], ids=["prompt_lp", "echo"]
+)
+def test_requests_that_read_no_kv_go_straight_to_the_decode(pd: Any, extra: dict[str, Any]) -> None:
+    # prompt log-probs make vLLM's decode skip the loaded prefix: a prefill's hold would
+    # only be pinned until its lease ended
+    p, d, url = pd
+    assert ask(url, {"prompt": [1, 2], **extra})[0] == 200
+    assert p.seen == [] and "kv_transfer_params" not in d.seen[0]["body"]
+
+
+def test_a_prefill_that_stopped_at_its_first_token_leaves_the_decode_to_compute(pd: Any) -> None:
+    # its first token was a stop token: vLLM offers no KV for a stopped request
+    p, d, url = pd
+    p.stopped = True
+    assert ask(url, {"prompt": [1, 2]})[0] == 200
+    assert "kv_transfer_params" not in d.seen[0]["body"]
