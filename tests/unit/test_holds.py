@@ -116,3 +116,18 @@ def test_a_request_id_held_again_right_after_release_stays_held() -> None:
         prod.hold("r", block_ids=[1])
         time.sleep(0.05)  # the engine thread collects (every 2 ms)
         assert prod.num_held == 1 and prod.pop_freed() == []
+
+
+def test_ticket_book_refuses_a_ticket_whose_hold_never_starts() -> None:
+    # the slot then says the ticket ended: it may not be claimed later (its word would
+    # go back from "released" to "held"), nor refused while a live hold uses the slot
+    book = TicketBook(4)
+    assert book.refuse(3) is True
+    with pytest.raises(ConfigError, match="not newer than slot 3's last"):
+        book.claim(3)
+    assert book.refuse(3) is False  # already past
+    assert book.take() == 4  # tickets go on past the refused one
+    assert book.refuse(8) is False  # slot 0 is live
+    book.claim(7)  # slot 3, newer: fine
+    book.free(7)
+    assert book.refuse(3) is False  # slot 3 is past it

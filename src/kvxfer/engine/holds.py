@@ -93,7 +93,7 @@ class TicketBook:
 
     ``take()`` gives the next ticket whose slot is free; ``claim(t)`` records a ticket
     given by someone else (it must be newer than every ticket this slot had);
-    ``free(t)`` gives its slot back.
+    ``free(t)`` gives its slot back; ``refuse(t)`` ends a ticket whose hold never starts.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -143,6 +143,20 @@ class TicketBook:
         self._live[slot] = ticket
         self._last[slot] = ticket
         self._next = max(self._next, ticket + 1)
+
+    def refuse(self, ticket: int) -> bool:
+        """Record that ``ticket``'s hold will never start (its params are out, its hold
+        failed): True if its slot may now say it ended, which only moves the slot past
+        it (a later claim of it is refused); False, changing nothing, while a live hold
+        uses the slot or once the slot had this ticket or a newer one."""
+        if ticket <= 0:
+            return False  # 0: no ticket
+        slot = slot_of(ticket, self.num_slots)
+        if slot in self._live or ticket <= self._last.get(slot, 0):
+            return False
+        self._last[slot] = ticket
+        self._next = max(self._next, ticket + 1)
+        return True
 
     def free(self, ticket: int) -> bool:
         """Give ``ticket``'s slot back; False if it was not live."""

@@ -251,20 +251,15 @@ class Producer:
         """Say, in its slot, that ``ticket``'s hold has ended: for a ticket handed out
         (with params) whose hold failed to start and never will. A reader with it then
         fails at its first check instead of waiting for the hold until its deadline.
-        Nothing is written while a live hold uses the slot, or once the slot is past the
-        ticket (words only grow). True if the slot now says so."""
-        if ticket <= 0:
-            return False  # 0: no ticket
+        Nothing is written while a live hold uses the slot, or once the slot had this
+        ticket or a newer one (words only grow: :meth:`TicketBook.refuse`). True if the
+        slot now says so."""
         with self._lock:
-            slot = slot_of(ticket, self._book.num_slots)
-            if any(slot_of(t, self._book.num_slots) == slot for t in self._tickets.values()):
+            if not self._book.refuse(ticket):
                 return False
-            word = released_word(ticket)
+            slot = slot_of(ticket, self._book.num_slots)
             for r in self.ranks:
-                if int(r.words[slot]) > word:
-                    return False
-            for r in self.ranks:
-                r.words[slot] = word
+                r.words[slot] = released_word(ticket)
             return True
 
     def release(self, request_id: str) -> bool:
