@@ -123,10 +123,11 @@ class Consumer(FirstContact):
             cache.warm_up_transport(self.config)
         cache = next(iter(self.ranks.values()))
         lay, spec = cache.layout, cache.spec
-        if spec.state is not None and spec.num_layers and spec.num_blocks < 2:
+        is_hybrid = spec.state is not None and spec.num_layers > 0
+        if is_hybrid and spec.num_blocks < 2:
             return  # a hybrid pool of one block: no request fits it
         peer = pair_layouts(lay, {lay.tp_rank: lay}, max_run_blocks=self.config.run_blocks)
-        state = [1] if spec.state is not None and spec.num_layers else None  # apart (hybrid)
+        state = [1] if is_hybrid else None  # a hybrid request names its state block apart
         plan_request(peer, [0], [0], local_state_ids=state, remote_state_ids=state)
 
     @property

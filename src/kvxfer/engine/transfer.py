@@ -36,7 +36,7 @@ from kvxfer.errors import (
 from kvxfer.planning.plans import PeerPlan
 from kvxfer.planning.request import RequestIds
 from kvxfer.transport.nixl import XferHandle, XferOp, XferState
-from kvxfer.wire import MAX_BUDGET_MS, Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
+from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
 
 __all__ = ["RequestContext", "Transfer", "new_attempt", "num_bytes"]
 
@@ -325,7 +325,7 @@ class Transfer(RequestEnd):
         if not force and now - max(self.posted_at, self.renewed_at) < ctx.config.heartbeat_s:
             return
         self.renewed_at = now
-        budget_ms = self._budget_ms()  # a longer deadline is covered by later renewals
+        budget_ms = self._budget_ms()
         tickets = (self.hold_ticket,) if self.hold_ticket else ()
         for rank, agent in self.peer.agents.items():
             gen = self.peer.generations[rank]
@@ -408,8 +408,9 @@ class Transfer(RequestEnd):
             self.notify.extend((d, r) for r in req.notify_only)
 
     def _budget_ms(self) -> int:
-        """What is left of the deadline, in ms, as the wire carries it (at most an hour)."""
-        return min(MAX_BUDGET_MS, max(0, int((self.deadline - time.monotonic()) * 1000)))
+        """What is left of the deadline, in ms (within the wire's hour: deadlines are
+        checked against it, :func:`~kvxfer.engine.config.check_deadline`)."""
+        return max(0, int((self.deadline - time.monotonic()) * 1000))
 
     def _finish(self) -> None:
         ctx = self.context

@@ -108,7 +108,8 @@ class RequestIds:
 
     ``local`` and ``remote`` are the attention block ids of each side in token order;
     ``local_state`` and ``remote_state`` the state block ids of hybrid / state models
-    (None: none named; :func:`plan_request` says when that is allowed); ``num_cached_blocks`` the leading local blocks already
+    (None: none named; :func:`plan_request` says when that is allowed);
+    ``num_cached_blocks`` the leading local blocks already
     present (prefix hit). Nothing is validated here: :meth:`plan` hands the ids to
     :func:`plan_request`, the one place that validates them (against a peer's pools).
     """

@@ -97,7 +97,7 @@ def _start(role: str, a: argparse.Namespace, connector: str | None, cpus: str, t
                     log_dir=a.log_dir, tp_size=tp, **opts)  # fmt: skip
 
 
-def other_model(a: argparse.Namespace) -> str:
+def _other_model(a: argparse.Namespace) -> str:
     """A second tiny model: the same architecture and shapes as ``a.model``, other
     weights (another seed), as a fine-tune of the same base model would be."""
     path = f"{a.model.rstrip('/')}-other"
@@ -235,7 +235,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     elsewhere = make_prompts(1, VOCAB, [60], seed=23)[0]
     salted = make_prompts(1, VOCAB, [50], seed=29)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
-    other = other_model(a)
+    other = _other_model(a)
     keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all five
     # the prefill and the first decode with vLLM's stats path on (its metrics are checked)
     p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed,

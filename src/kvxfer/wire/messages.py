@@ -16,6 +16,7 @@ from kvxfer.wire.limits import (
     MAX_RANKS,
     MAX_RECORD_BYTES,
     MAX_SIDE_REPLY_BYTES,
+    MAX_SMALL_INT,
     U64,
     BudgetMs,
     HashStr,
@@ -43,7 +44,7 @@ class _Msg(Struct, frozen=True, tag_field="t"):
 def _check_rank(what: str, rank: int, size: int) -> None:
     """A rank of ``size`` ranks: ValueError otherwise (a ProtocolError when decoded)."""
     if size < 1:
-        raise ValueError(f"{what}_size {size} not in [1, {MAX_RANKS}]")
+        raise ValueError(f"{what}_size {size} not in [1, {MAX_SMALL_INT}]")
     if rank >= size:
         raise ValueError(f"{what}_rank {rank} not in [0, {what}_size {size})")
 
