@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from kvxfer.cli.main import main
+from kvxfer.cli.plan_cmd import plan_document
 from kvxfer.cli.records import load_plan_input, pack_regions
 from kvxfer.errors import LayoutError
+from kvxfer.planning.pairing import pair_layouts
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SPLIT = EXAMPLES / "plan-split-kv-tp1-to-tp2.json"
@@ -198,7 +200,37 @@ def test_remote_list_of_records_equals_expanded_spec() -> None:
     for r in range(4):  # rank r starts one span further
         spec = {**shorthand["spec"], "tp_rank": r}
         listed["remote"].append({"spec": spec, "base_addr": shorthand["base_addr"] + r * span})
-    assert load_plan_input(listed).remotes == expanded
+    records = load_plan_input(listed).remotes
+    assert list(expanded) == [2]  # decode rank 1 of 2 reads prefill rank 2 only
+    assert records[2] == expanded[2]
+    for r in range(4):  # a decode of TP 4: rank r reads prefill rank r
+        raw["local"]["spec"].update(tp_size=4, tp_rank=r)
+        assert load_plan_input(raw).remotes == {r: records[r]}
+
+
+def test_remote_spec_expands_only_the_source_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """A shorthand remote of 4,096 MLA ranks builds the one rank the local side reads
+    (it built all 4,096: 2.8 s and 143 MB); the plan names the rest notify-only."""
+    raw = json.loads((EXAMPLES / "plan-mla-fanout.json").read_text())
+    raw["remote"]["spec"]["tp_size"] = 4096
+    raw["local"]["spec"].update(tp_size=1, tp_rank=0)
+    inp = load_plan_input(raw)
+    assert list(inp.remotes) == [0]
+    peer = pair_layouts(inp.local, inp.remotes)
+    assert peer.tp.source_ranks == (0,)
+    assert len(peer.tp.notify_only) == 4095
+    doc = plan_document(inp, peer, None)
+    assert doc["remote"]["tp_size"] == 4096 and doc["remote"]["ranks"] == [0]
+
+
+def test_remote_spec_expands_every_source_rank_of_a_fan_in() -> None:
+    raw = json.loads(SPLIT.read_text())  # turned around: local TP 1 reads remote TP 2
+    raw["local"]["spec"].update(tp_size=1, tp_rank=0)
+    raw["remote"]["spec"]["tp_size"] = 2
+    del raw["request"]
+    inp = load_plan_input(raw)
+    assert list(inp.remotes) == [0, 1]
+    assert pair_layouts(inp.local, inp.remotes).tp.source_ranks == (0, 1)
 
 
 def test_duplicate_remote_rank_names_the_entry() -> None:
@@ -236,6 +268,23 @@ def test_module_entry_point_subprocess() -> None:
     )  # fmt: skip
     assert bad.returncode == 2
     assert "remote[1].views[3].stride" in bad.stderr
+
+
+@pytest.mark.parametrize("fmt", [["--json"], []])
+def test_closed_pipe_exits_quietly(fmt: list[str]) -> None:
+    """``kvxfer plan ... | head -1``: the reader goes away; exit 1 without a word, as rich
+    does for the tables (``--json`` printed a BrokenPipeError traceback)."""
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvxfer.cli.main", "plan", str(SPLIT), *fmt],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child writes: its first write gets EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1, err
+    assert err == ""
 
 
 def _explicit(tmp_path: Path, edit: Any) -> Path:

@@ -212,7 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         getattr(args, "usage_parser", parser).print_help(sys.stderr)
         return 2
-    return handler(args)
+    try:
+        return handler(args)
+    except BrokenPipeError:  # the reader went away (``kvxfer plan ... | head``)
+        # stdout's buffer still holds bytes: point it at /dev/null so the flush at exit
+        # does not raise again; exit 1, as rich's tables do on a closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

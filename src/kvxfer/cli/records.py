@@ -32,6 +32,7 @@ from kvxfer.cli.plan_bounds import check_spec_sizes
 from kvxfer.errors import LayoutError
 from kvxfer.layout.model import CacheLayout, Region, Shard, TokenLayout, View, ViewKind
 from kvxfer.layout.spec import AttnKind, LayoutSpec, StateSpec
+from kvxfer.planning.pairing import tp_plan_of
 from kvxfer.wire.limits import (
     MAX_BLOCK_ID,
     MAX_COUNT,
@@ -257,10 +258,12 @@ def parse_side(value: object, path: str) -> CacheLayout:
     return _record(obj, path)
 
 
-def parse_engine(value: object, path: str) -> dict[int, CacheLayout]:
+def parse_engine(value: object, path: str, local: CacheLayout) -> dict[int, CacheLayout]:
     """The remote engine: a list of per-rank sides, one explicit record, or one spec
-    shorthand expanded to every rank of its ``tp_size`` (rank ``r`` based at
-    ``base_addr + r * span``, ``span`` = one rank's packed bytes rounded up to 1 MiB).
+    shorthand expanded to the ranks ``local`` reads (its TP plan's source ranks; rank ``r``
+    based at ``base_addr + r * span``, ``span`` = one rank's packed bytes rounded up to
+    1 MiB). Ranks it only notifies are not built: a remote of thousands of ranks costs
+    what its source ranks cost.
 
     Returns:
         remote tp_rank -> layout, ascending by rank.
@@ -291,7 +294,9 @@ def parse_engine(value: object, path: str) -> dict[int, CacheLayout]:
     if tp_size <= 0:
         raise LayoutError(f"{path}.spec.tp_size: must be > 0, got {tp_size}")
     check_spec_sizes(_spec(spec_obj, f"{path}.spec"), f"{path}.spec", tp_size)
-    return {r: _shorthand(obj, path, rank_index=r) for r in range(tp_size)}
+    rank0 = _shorthand(obj, path, rank_index=0)  # the spec's own errors come first
+    sources = tp_plan_of(local, tp_size).source_ranks  # ascending
+    return {r: rank0 if r == 0 else _shorthand(obj, path, rank_index=r) for r in sources}
 
 
 _REQUEST_KEYS = (
@@ -337,8 +342,9 @@ def load_plan_input(data: object) -> PlanInput:
     for key in ("local", "remote"):
         if key not in obj:
             raise LayoutError(f"{key}: missing field")
+    local = parse_side(obj["local"], "local")
     return PlanInput(
-        local=parse_side(obj["local"], "local"),
-        remotes=parse_engine(obj["remote"], "remote"),
+        local=local,
+        remotes=parse_engine(obj["remote"], "remote", local),
         request=_request(obj.get("request"), "request"),
     )

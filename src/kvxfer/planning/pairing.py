@@ -20,7 +20,7 @@ from kvxfer.planning.descriptors import ADDR, COUNT, LEN, STRIDE, U64, strided_r
 from kvxfer.planning.plans import PeerPlan, SourcePlan
 from kvxfer.planning.tp import Source, TpPlan, plan_tp
 
-__all__ = ["MAX_ROWS", "PeerPlan", "SourcePlan", "pair_layouts", "with_run_rows"]
+__all__ = ["MAX_ROWS", "PeerPlan", "SourcePlan", "pair_layouts", "tp_plan_of", "with_run_rows"]
 
 MAX_ROWS = 1 << 20  # strided rows per source: the wire's MAX_VIEWS (planning cannot import wire)
 
@@ -131,6 +131,21 @@ def _check_sliceable(
             )
 
 
+def tp_plan_of(local: CacheLayout, remote_tp_size: int) -> TpPlan:
+    """The TP plan of ``local`` reading an engine of ``remote_tp_size`` ranks: which remote
+    ranks it reads (``source_ranks``) and which it only notifies."""
+    shards = {v.shard for v in local.views}
+    return plan_tp(
+        local.tp_rank,
+        local.tp_size,
+        remote_tp_size,
+        local.num_kv_heads,
+        has_heads=Shard.HEADS in shards,
+        has_replicated=Shard.REPLICATED in shards,
+        has_split=Shard.SPLIT in shards,
+    )
+
+
 def pair_layouts(
     local: CacheLayout,
     remotes: Mapping[int, CacheLayout],
@@ -178,16 +193,7 @@ def pair_layouts(
             f"local kernel block of {kt_local} tokens is not a multiple of remote {kt_remote} tokens"
         )
     kbsr = kt_local // kt_remote
-    shards = {v.shard for v in local.views}
-    plan = plan_tp(
-        local.tp_rank,
-        local.tp_size,
-        first.tp_size,
-        local.num_kv_heads,
-        has_heads=Shard.HEADS in shards,
-        has_replicated=Shard.REPLICATED in shards,
-        has_split=Shard.SPLIT in shards,
-    )
+    plan = tp_plan_of(local, first.tp_size)
     if kbsr > 1 and plan.is_fan_out:
         raise IncompatibleError(
             f"block size ratio {kbsr} with fan-out TP ({first.tp_size} -> {local.tp_size})"
