@@ -109,3 +109,40 @@ def test_poll_never_uses_a_handle_the_heartbeat_thread_released() -> None:
         # the heartbeat's reason, not only "stale handle": the user learns why
         assert isinstance(t.error, PeerLostError) and "injected verdict" in str(t.error)
         assert polled[0] is False  # the handle polled while the drop waited was live
+
+
+def _second_poll_after_done(ticketed: bool) -> None:
+    """One thread is past ``poll``'s terminal check, waiting for the engine lock, while
+    another polls the request to DONE; the waiting poll then gets the lock."""
+    ps = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    ds = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16,
+                  block_size=2 * ps.block_size)  # fmt: skip  # bsr 2: DONE runs a relayout
+    pb, db = allocate_cache(ps), allocate_cache(ds)
+    fill(ps, pb)
+    lids, rids = np.array([1, 3]), np.array([9, 2, 5, 7])
+    with (
+        Producer(EngineConfig("p", model_name="tiny-gqa"), [(ps, pb)]) as prod,
+        Consumer(EngineConfig("d", model_name="tiny-gqa"), [(ds, db)]) as cons,
+    ):
+        lease = prod.hold("r", block_ids=list(rids))
+        cons.connect(prod.address)
+        t = cons.read("r", prod.address, local_block_ids=lids, remote_block_ids=rids,
+                      hold_ticket=lease.ticket if ticketed else None)  # fmt: skip
+        with t.context.lock:  # re-entrant: this thread may poll while holding it
+            late = threading.Thread(target=t.poll)  # passes the terminal check, waits
+            late.start()
+            time.sleep(0.3)
+            deadline = time.monotonic() + 20
+            while t.poll() is not RequestState.DONE and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert t.state is RequestState.DONE, t.error
+            assert mismatches(ds, db, ps, lids, rids) == 0
+        late.join(10)
+        assert t.state is RequestState.DONE, t.error  # it was FAILED with a ticket
+        assert mismatches(ds, db, ps, lids, rids) == 0  # relaid out twice: 195,844 wrong
+        assert cons.stats().requests["done"] == 1  # counted twice
+
+
+@pytest.mark.parametrize("ticketed", [False, True], ids=["unticketed", "ticketed"])
+def test_a_poll_that_waited_for_the_lock_leaves_a_done_request_alone(ticketed: bool) -> None:
+    _second_poll_after_done(ticketed)

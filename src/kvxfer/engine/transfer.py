@@ -167,6 +167,8 @@ class Transfer(RequestEnd):
             return self.state
         ctx = self.context
         with ctx.lock:
+            if self.state.is_terminal:  # another thread ended it while this one waited
+                return self.state  # (a second _finish relaid its bytes out again)
             if ctx.is_closed():
                 self._fail(ClosedError(f"consumer closed: request {self.request_id!r} aborted"))
                 return self.state
@@ -235,6 +237,10 @@ class Transfer(RequestEnd):
                 self._finish()
         except KvxferError as e:
             self._fail(e)
+        except Exception as e:  # noqa: BLE001 - a half-done step (some sources posted, some
+            # ranks relaid out) must never be finished by a later poll: the request fails
+            log.exception("request %r: unexpected error in its step", self.request_id)
+            self._fail(TransferError(f"request {self.request_id!r}: internal error: {e!r}"))
         return self.state
 
     def _poll_xfers(self) -> None:
