@@ -237,7 +237,7 @@ class Transfer(RequestEnd):
                 self._finish()
         except KvxferError as e:
             self._fail(e)
-        except Exception as e:  # noqa: BLE001 - a half-done step (some sources posted, some
+        except Exception as e:  # a half-done step (some sources posted, some
             # ranks relaid out) must never be finished by a later poll: the request fails
             log.exception("request %r: unexpected error in its step", self.request_id)
             self._fail(TransferError(f"request {self.request_id!r}: internal error: {e!r}"))
