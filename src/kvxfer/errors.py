@@ -34,6 +34,7 @@ __all__ = [
     "ConfigError",
     "DeadlineError",
     "HoldEndedError",
+    "HoldMismatchError",
     "IncompatibleError",
     "InputError",
     "KvxferError",
@@ -96,6 +97,12 @@ class HoldEndedError(TransferError):
     """The producer's hold on a request's blocks ended before the READ of them was
     checked (another reader read them first, an abort, the lease): they may have been
     reused under the READ, so its bytes are not reported (:mod:`kvxfer.engine.holds`)."""
+
+
+class HoldMismatchError(TransferError):
+    """The hold a request's ticket names was made for other params (another request id,
+    other block ids, another binding such as another prompt): forged or mixed-up
+    params. Its bytes are not reported (:mod:`kvxfer.engine.holds`)."""
 
 
 class DeadlineError(KvxferError, TimeoutError):

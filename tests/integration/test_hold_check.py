@@ -131,7 +131,7 @@ def test_many_ticketed_reads_are_done_and_right() -> None:
         assert sorted(freed) == sorted(f"r{i}" for i in range(12))
         assert {str(getattr(v, "value", v)) for v in freed.values()} == {"read"}
         words = prod.ranks[0].words
-        assert all(int(words[lease.ticket % words.size]) & 1 for lease in leases)  # released
+        assert all(int(words[lease.ticket % len(words), 0]) & 1 for lease in leases)  # released
 
 
 def test_without_a_ticket_the_reuse_goes_unseen() -> None:

@@ -135,11 +135,11 @@ def test_a_refused_ticket_never_ends_a_live_hold_in_its_slot() -> None:
         words = p.ranks[0].words
         slot = live.ticket % 4
         assert p.refuse_ticket(live.ticket + 4) is False  # same slot, live: untouched
-        assert int(words[slot]) == live.ticket << 1
+        assert int(words[slot, 0]) == live.ticket << 1
         assert p.refuse_ticket(live.ticket + 1) is True  # a free slot
-        assert int(words[(live.ticket + 1) % 4]) == ((live.ticket + 1) << 1) | 1
+        assert int(words[(live.ticket + 1) % 4, 0]) == ((live.ticket + 1) << 1) | 1
         p.hold("later", block_ids=[2], ticket=10)  # slot 2, after the refused ticket 2
         p.release("later")
         assert p.refuse_ticket(6) is False  # slot 2 is past ticket 6: words only grow
-        assert int(words[2]) == (10 << 1) | 1
+        assert int(words[2, 0]) == (10 << 1) | 1
         assert p.refuse_ticket(0) is False  # no ticket

@@ -72,13 +72,13 @@ def test_producer_writes_the_slot_word_before_reporting_a_release() -> None:
     prod, _bufs = _producer()
     with prod:
         words = prod.ranks[0].words
-        assert words.size == 8
+        assert len(words) == 8
         a = prod.hold("a", block_ids=[1])
         b = prod.hold("b", block_ids=[2], ticket=20)
         assert (a.ticket, b.ticket) == (1, 20)
-        assert int(words[1]) == held_word(1) and int(words[20 % 8]) == held_word(20)
+        assert int(words[1, 0]) == held_word(1) and int(words[20 % 8, 0]) == held_word(20)
         assert prod.release("a")  # the caller frees the blocks itself
-        assert int(words[1]) == released_word(1)
+        assert int(words[1, 0]) == released_word(1)
         c = prod.hold("c", block_ids=[3], lease_s=0.01)  # next ticket: 21 (slot 5)
         assert c.ticket == 21
         end = time.monotonic() + 5
@@ -87,8 +87,8 @@ def test_producer_writes_the_slot_word_before_reporting_a_release() -> None:
             prod.wait_freed(0.05)
             freed += [rid for rid, _ in prod.pop_freed()]
         assert "c" in freed
-        assert int(words[21 % 8]) == released_word(21)  # written before pop_freed had it
-        assert int(words[20 % 8]) == held_word(20)  # b untouched
+        assert int(words[21 % 8, 0]) == released_word(21)  # written before pop_freed had it
+        assert int(words[20 % 8, 0]) == held_word(20)  # b untouched
 
 
 def test_producer_refuses_a_bad_ticket_and_holds_nothing() -> None:
@@ -131,3 +131,48 @@ def test_ticket_book_refuses_a_ticket_whose_hold_never_starts() -> None:
     book.claim(7)  # slot 3, newer: fine
     book.free(7)
     assert book.refuse(3) is False  # slot 3 is past it
+
+
+def test_a_check_slot_in_use_is_never_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Check slots were handed out round-robin: after 4,096 checks a slot still waiting
+    for its READ (a stalled producer) was zeroed and given to another check, whose word
+    (another producer's, the same ticket number) could then be judged for the first."""
+    from kvxfer.engine.rank import RankCache
+    from kvxfer.errors import TransferError
+
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=4)
+    cache = RankCache(spec, allocate_cache(spec), "d", EngineConfig("d", model_name="m"),
+                      MemoryBackend, words=3)  # fmt: skip
+    try:
+        taken = [cache.next_word() for _ in range(3)]
+        assert sorted(taken) == [0, 1, 2]
+        with pytest.raises(TransferError, match="all 3 hold-check slots are in use"):
+            cache.next_word()
+        cache.free_word(1)
+        assert cache.next_word() == 1
+        cache.free_word(2, quarantine_s=30.0)  # released in flight: may still land
+        with pytest.raises(TransferError):
+            cache.next_word()
+        now = time.monotonic()
+        monkeypatch.setattr(time, "monotonic", lambda: now + 31.0)
+        assert cache.next_word() == 2
+    finally:
+        cache.close()
+
+
+def test_hold_digest_binds_each_field() -> None:
+    from kvxfer.engine.holds import UNBOUND, hold_digest
+
+    base = hold_digest(b"k" * 16, 7, "req", [3, 1, 2], b"prompt")
+    assert len(base) == 16 and base != UNBOUND
+    assert hold_digest(b"k" * 16, 7, "req", [1, 2, 3, 3], b"prompt") == base  # a set
+    for other in (
+        hold_digest(b"j" * 16, 7, "req", [1, 2, 3], b"prompt"),
+        hold_digest(b"k" * 16, 8, "req", [1, 2, 3], b"prompt"),
+        hold_digest(b"k" * 16, 7, "req2", [1, 2, 3], b"prompt"),
+        hold_digest(b"k" * 16, 7, "req", [1, 2, 4], b"prompt"),
+        hold_digest(b"k" * 16, 7, "req", [1, 2], b"prompt"),
+        hold_digest(b"k" * 16, 7, "req", [1, 2, 3], b"prompt2"),
+        hold_digest(None, 7, "req", [1, 2, 3], b"prompt"),
+    ):
+        assert other != base

@@ -49,18 +49,33 @@ def test_a_sliding_window_model_is_refused_at_start_naming_its_cache(ci: dict[st
 
 
 def test_negative_control_decode_uses_transferred_kv(ci: dict[str, Any]) -> None:
+    # prompt A's KV from a prefill of other weights that names itself as this model
     neg = ci["negative"]
     assert neg["finish_reason"] == "length"
     assert len(neg["tokens"]) == 8
-    assert neg["tokens"] != neg["ref"], "decoding A with B's KV gave A's tokens"
+    assert neg["tokens"] != neg["ref"], "decoding A with another model's KV gave A's tokens"
+    assert neg["num_cached_tokens"] == 64  # the 70-token prompt's two full blocks: loaded
+
+
+def _refused_forgery(forged: dict[str, Any]) -> None:
+    # B's params re-stamped with A's prompt hash (a forging client): the decode READ
+    # B's blocks, but B's hold is bound to B's prompt: the load fails, A is recomputed
+    assert forged["finish_reason"] == "length"
+    assert forged["tokens"] == forged["ref"], "prompt A decoded from the KV of B's params"
+    (line,) = forged["log"]
+    assert "do not match these (forged or mixed-up params)" in line, line
 
 
 def test_params_made_for_another_prompt_compute_locally(ci: dict[str, Any]) -> None:
     # B's params as a proxy could mix them up: the decode sees they name another prompt
-    mis = ci["negative"]["mismatch"]
+    mis = ci["forged"]["mismatch"]
     assert mis["finish_reason"] == "length"
     assert mis["tokens"] == mis["ref"], "prompt A decoded from the KV of B's params"
-    assert any("made for another prompt" in ln for ln in ci["log"]), ci["log"]
+    assert any("made for another prompt" in ln for ln in ci["forged"]["mismatch_log"])
+
+
+def test_forged_params_are_refused_by_the_hold_binding(ci: dict[str, Any]) -> None:
+    _refused_forgery(ci["forged"])
 
 
 def test_parallel_sampling_children_take_the_kv_once(ci: dict[str, Any]) -> None:
@@ -93,9 +108,10 @@ def test_push_mode_decode_tokens_equal_colocated(ci: dict[str, Any]) -> None:
     cached = [r["num_cached_tokens"] for r in push["records"]]
     assert cached == [r["prompt_len"] // 32 * 32 for r in push["records"]] == [32, 64, 128, 0]
     assert push["log"] == [], push["log"]  # no load failed
-    neg = push["negative"]  # another prompt's KV pushed (its params re-stamped): differs
+    neg = push["negative"]  # another model's KV of A pushed: differs
     assert neg["finish_reason"] == "length" and len(neg["tokens"]) == 8
-    assert neg["tokens"] != neg["ref"], "decoding A with B's pushed KV gave A's tokens"
+    assert neg["tokens"] != neg["ref"], "decoding A with another model's pushed KV gave A's tokens"
+    _refused_forgery(push["forged"])
 
 
 def test_push_of_params_read_by_another_engine_is_refused(ci: dict[str, Any]) -> None:

@@ -139,13 +139,14 @@ def test_http_proxy_tokens_equal_colocated(vllm_ready: None, tmp_path: Path) -> 
     assert auth["other_key"].startswith("AuthError") and "same deployment key" in auth["other_key"]
     # the transfers in vLLM's own stats path (get_kv_connector_stats -> /metrics and the
     # periodic log line): one DONE load per proxied request and the negative control,
-    # one first contact; the prefill released each hold when its reader was done
+    # two first contacts (the prefill, the negative control's); the prefill released
+    # each hold when its reader was done
     n = len(recs) + 1
     dec, pre = res["metrics"]["decode"], res["metrics"]["prefill"]
     assert dec["vllm:kvxfer_loads_total{engine=0,outcome=done}"] == n, dec
     assert not any("outcome=" in k and "outcome=done" not in k for k in dec), dec
     assert dec["vllm:kvxfer_load_seconds_count{engine=0}"] == n, dec
     assert dec["vllm:kvxfer_load_bytes_total{engine=0}"] > 0, dec
-    assert dec["vllm:kvxfer_first_contacts_total{engine=0}"] == 1, dec
-    assert pre["vllm:kvxfer_holds_released_total{engine=0,reason=read}"] == n, pre
+    assert dec["vllm:kvxfer_first_contacts_total{engine=0}"] == 2, dec
+    assert pre["vllm:kvxfer_holds_released_total{engine=0,reason=read}"] == len(recs), pre
     assert any("KV Transfer metrics: loads=" in ln for ln in res["stats_log"]), res["stats_log"]

@@ -128,7 +128,7 @@ class EngineConfig:
         auth_key: deployment key (>= 16 bytes) authenticating the side channel and
             notifications (HMAC-SHA256, :mod:`kvxfer.wire.auth`); None: unauthenticated
             (loopback only). ``kvxfer.wire.auth.load_auth_key()`` reads ``KVXFER_AUTH_KEY``.
-        hold_slots: size of a producer rank's hold table (8 bytes a slot, registered
+        hold_slots: size of a producer rank's hold table (32 bytes a slot, registered
             DRAM that readers check after their READ, see :mod:`kvxfer.engine.holds`):
             at most this many requests held at once.
         push_contact: a consumer that will push: at first contact it asks each producer

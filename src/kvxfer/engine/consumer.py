@@ -13,11 +13,12 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import numpy.typing as npt
 
 from kvxfer.engine.config import Buffer, EngineConfig, check_deadline
 from kvxfer.engine.contact import FirstContact
-from kvxfer.engine.holds import CHECK_SLOTS, check_ticket
+from kvxfer.engine.holds import CHECK_SLOTS, MAX_BINDING_BYTES, check_ticket, hold_digest
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
@@ -176,6 +177,8 @@ class Consumer(FirstContact):
         generation: int | Mapping[int, int] | None = None,
         lease_expires_at_ns: int | None = None,
         hold_ticket: int | None = None,
+        hold_block_ids: npt.ArrayLike | None = None,
+        hold_binding: bytes = b"",
     ) -> Transfer:
         """Start reading a request's blocks from the producer at ``address`` (pull mode).
 
@@ -198,14 +201,19 @@ class Consumer(FirstContact):
         :class:`~kvxfer.errors.HoldEndedError`; a hold that has not started yet is
         checked again until the deadline); the producer is told it was read only then.
         Without it, bytes read after the hold ended (a second reader of the same
-        params, say) cannot be told from the held ones.
+        params, say) cannot be told from the held ones. The hold must also have been
+        made for these params: ``request_id``, ``hold_block_ids`` (every block id the
+        hold named, as the params carry them; default: the remote ids read, state ids
+        included, which must all be among them) and ``hold_binding`` (the ``binding``
+        given to ``hold``; in vLLM, the prompt's hash), else the request ends FAILED
+        with :class:`~kvxfer.errors.HoldMismatchError` and the producer is not told
+        (forged or mixed-up params; :mod:`kvxfer.engine.holds`).
         """
-        if hold_ticket is not None:
-            check_ticket(hold_ticket)
         return self._request(
             XferOp.READ, request_id, address, local_block_ids, remote_block_ids,
             local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s, generation,
-            lease_expires_at_ns=lease_expires_at_ns, hold_ticket=hold_ticket or 0,
+            lease_expires_at_ns=lease_expires_at_ns,
+            hold=(hold_ticket, hold_block_ids, hold_binding),
         )  # fmt: skip
 
     def push(
@@ -222,6 +230,8 @@ class Consumer(FirstContact):
         deadline_s: float | None = None,
         generation: int | Mapping[int, int] | None = None,
         hold_ticket: int | None = None,
+        hold_block_ids: npt.ArrayLike | None = None,
+        hold_binding: bytes = b"",
     ) -> Transfer:
         """Ask the producer at ``address`` to WRITE a request into these local blocks (push).
 
@@ -232,14 +242,14 @@ class Consumer(FirstContact):
         was still alive after the WRITEs completed (the consumer READs its slot word,
         as :meth:`read` does); the producer frees the hold at the consumer's
         ``ReadDone``, not when it wrote. Without it, a second push of the same params
-        is written from blocks the producer may have reused.
+        is written from blocks the producer may have reused. ``hold_block_ids`` and
+        ``hold_binding``: as for :meth:`read` (the request is DONE only if the hold was
+        made for these params).
         """
-        if hold_ticket is not None:
-            check_ticket(hold_ticket)
         return self._request(
             XferOp.WRITE, request_id, address, local_block_ids, remote_block_ids,
             local_state_ids, remote_state_ids, num_cached_blocks, ranks, deadline_s, generation,
-            hold_ticket=hold_ticket or 0,
+            hold=(hold_ticket, hold_block_ids, hold_binding),
         )  # fmt: skip
 
     def _request(
@@ -257,7 +267,7 @@ class Consumer(FirstContact):
         generation: int | Mapping[int, int] | None,
         *,
         lease_expires_at_ns: int | None = None,
-        hold_ticket: int = 0,
+        hold: tuple[int | None, npt.ArrayLike | None, bytes] = (None, None, b""),
     ) -> Transfer:
         if self._closed:
             raise ClosedError(f"consumer closed: request {request_id!r} refused")
@@ -272,13 +282,40 @@ class Consumer(FirstContact):
             local_block_ids, remote_block_ids, local_state=local_state_ids,
             remote_state=remote_state_ids, num_cached_blocks=num_cached_blocks,
         )  # fmt: skip
+        hold_ticket = 0 if hold[0] is None else check_ticket(hold[0])
+        digest = self._hold_digest(request_id, hold_ticket, ids, *hold[1:])
         t = Transfer(
             request_id, self._context, self._peer(address), deadline, ids, chosen, op,
             generation=generation, lease_expires_at_ns=lease_expires_at_ns,
-            hold_ticket=hold_ticket,
+            hold_ticket=hold_ticket, hold_digest=digest,
         )  # fmt: skip
         self._inbox.add(t)  # close() aborts it; push notices find it by attempt
         return t
+
+    def _hold_digest(
+        self,
+        request_id: str,
+        ticket: int,
+        ids: RequestIds,
+        hold_block_ids: npt.ArrayLike | None,
+        binding: bytes,
+    ) -> bytes:
+        """The binding digest a ticketed request's hold must carry (b"": no ticket)."""
+        if not isinstance(binding, bytes) or len(binding) > MAX_BINDING_BYTES:
+            raise ConfigError(f"hold_binding must be bytes, at most {MAX_BINDING_BYTES}")
+        if not ticket:
+            return b""
+        named = [np.asarray(a) for a in (ids.remote, ids.remote_state) if a is not None]
+        held = np.concatenate(named) if hold_block_ids is None else np.asarray(hold_block_ids)
+        if any(a.dtype.kind not in "iu" for a in (*named, held)):
+            return bytes(16)  # ids that are not integers: the plan refuses them at post
+        stray = np.setdiff1d(np.concatenate(named), held)
+        if stray.size:
+            raise ConfigError(
+                f"request {request_id!r}: remote blocks {stray[:8].tolist()} are not in "
+                "hold_block_ids"
+            )
+        return hold_digest(self.config.auth_key, ticket, request_id, held, binding)
 
     def stats(self) -> EngineStats:
         """A snapshot: requests by end state, bytes, descriptors, latency histogram and

@@ -19,6 +19,7 @@ from typing import NoReturn
 import numpy as np
 
 from kvxfer.engine.config import EngineConfig, check_seconds
+from kvxfer.engine.holds import SLOT_BYTES
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
@@ -316,7 +317,7 @@ class FirstContact:
                 peer.num_descriptors += loc.num_descriptors + rem.num_descriptors
                 addr, slots = peer.holds.get(src.rank, (0, 0))
                 if slots:  # its hold table: one strided row (kvxfer.engine.holds)
-                    row = np.array([[addr, 8, 0, 8, slots]], np.uint64)
+                    row = np.array([[addr, SLOT_BYTES, 0, SLOT_BYTES, slots]], np.uint64)
                     peer.hold_lists[(d, src.rank)] = backend.prepare(row, names[src.rank])
             self.ranks[d].words_list_ready()
 

@@ -28,26 +28,86 @@ Words in one slot only grow (tickets increase), so an old word is never mistaken
 a newer one. Ordering: the producer's store of the released word happens before the
 caller learns the hold ended (under the producer's lock), so before any reuse; the
 reader posts its check only after its data READ completed.
+
+**Binding.** A ticket alone says *a* hold was alive, not *which blocks* it held: params
+pass through clients and proxies, and forged ones (a live ticket, another request's
+block ids) read that request's blocks with a passing check. So a slot is
+:data:`SLOT_BYTES` (32): the word, 8 reserved bytes, and a 16-byte **binding digest**
+(:func:`hold_digest`) of the ticket, the request id, the held block ids (as a set) and
+an opaque binding the caller gives (in vLLM: the prompt's hash), keyed with the
+deployment key (or none). The producer writes the digest before the held word; the
+reader computes the digest of the params it was given and reads the slot whole: a
+held word whose digest differs means the params were not the ones held
+(:func:`binding_matches`), and the request fails without telling the producer
+anything (its abort would free the genuine reader's hold). A hold that names no block
+ids publishes :data:`UNBOUND` and binds nothing (the check is by ticket alone).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from enum import Enum
 
+import numpy as np
+import numpy.typing as npt
+
 from kvxfer.errors import ConfigError
+from kvxfer.wire.limits import HOLD_SLOT_BYTES
 
 __all__ = [
     "CHECK_SLOTS",
+    "DIGEST",
+    "MAX_BINDING_BYTES",
+    "SLOT_BYTES",
+    "SLOT_WORDS",
+    "UNBOUND",
     "HoldVerdict",
     "TicketBook",
+    "binding_matches",
     "held_word",
+    "hold_digest",
     "released_word",
     "slot_of",
     "verdict",
 ]
 
 MAX_TICKET = (1 << 62) - 1  # words are ticket << 1 | released: they fit 63 bits
-CHECK_SLOTS = 4096  # words a consumer rank reads slot words into (used round-robin)
+CHECK_SLOTS = 4096  # slots a consumer rank reads hold slots into (used round-robin)
+SLOT_BYTES = HOLD_SLOT_BYTES  # a slot: [word, reserved, digest (2 words)]
+SLOT_WORDS = SLOT_BYTES // 8
+DIGEST = slice(2, 4)  # the digest's words in a slot
+UNBOUND = bytes(16)  # the digest of a hold that names no blocks: binds nothing
+MAX_BINDING_BYTES = 1024  # a hold's binding (vLLM's: a 64-digit hex prompt hash)
+_DIGEST_TAG = b"kvxfer.hold-binding/1\0"
+
+
+def hold_digest(
+    key: bytes | None,
+    ticket: int,
+    request_id: str,
+    block_ids: npt.ArrayLike,
+    binding: bytes = b"",
+) -> bytes:
+    """The 16-byte digest a hold's slot carries: HMAC-SHA256 (``key``, or the empty key)
+    of the ticket, the request id, the sorted distinct block ids (integers) and
+    ``binding``, each length-prefixed; never :data:`UNBOUND`."""
+    rid = request_id.encode("utf-8", "surrogatepass")
+    ids = np.unique(np.asarray(block_ids, dtype=np.int64).ravel())
+    msg = b"".join((
+        _DIGEST_TAG, int(ticket).to_bytes(8, "little"),
+        len(rid).to_bytes(4, "little"), rid,
+        len(binding).to_bytes(4, "little"), bytes(binding),
+        len(ids).to_bytes(8, "little"), ids.astype("<i8").tobytes(),
+    ))  # fmt: skip
+    d = hmac.new(key or b"", msg, hashlib.sha256).digest()[:16]
+    return d if d != UNBOUND else b"\x01" + d[1:]
+
+
+def binding_matches(published: bytes, expected: bytes) -> bool:
+    """Whether a held slot's digest lets a reader of ``expected`` report its bytes: equal
+    (constant time), or the hold binds nothing (:data:`UNBOUND`)."""
+    return published == UNBOUND or hmac.compare_digest(published, expected)
 
 
 def held_word(ticket: int) -> int:

@@ -7,8 +7,19 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
-from kvxfer.engine.holds import TicketBook, held_word, released_word, slot_of
+from kvxfer.engine.holds import (
+    DIGEST,
+    MAX_BINDING_BYTES,
+    UNBOUND,
+    TicketBook,
+    held_word,
+    hold_digest,
+    released_word,
+    slot_of,
+)
 from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
@@ -155,6 +166,7 @@ class Producer:
         *,
         block_ids: Sequence[int] | None = None,
         ticket: int | None = None,
+        binding: bytes = b"",
     ) -> Lease:
         """Hold ``num_blocks`` blocks of ``request_id`` on every rank until read or expired.
 
@@ -169,6 +181,12 @@ class Producer:
                 handed it out before the hold (e.g. with the params of a request whose
                 hold starts later); default: the next free one. It must be newer than
                 every ticket its slot had, in a slot no live hold uses.
+            binding: opaque bytes the readers must name too (in vLLM: the prompt's hash).
+                With ``block_ids``, the hold's slot carries a digest of the ticket,
+                ``request_id``, the block ids and ``binding``; a reader whose params
+                differ in any of them never reports its bytes
+                (:func:`kvxfer.engine.holds.hold_digest`). Without ``block_ids`` the
+                hold binds nothing: readers are checked by ticket alone.
 
         Returns:
             The lease: hand ``expires_at_ns``, ``generation`` and ``ticket`` to the
@@ -187,6 +205,8 @@ class Producer:
             num_blocks = len(held)
         if num_blocks < 0:
             raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
+        if not isinstance(binding, bytes) or len(binding) > MAX_BINDING_BYTES:
+            raise ConfigError(f"binding must be bytes, at most {MAX_BINDING_BYTES}")
         now, wall_ns = time.monotonic(), time.time_ns()
         with self._lock:
             if request_id in self._pending_free:
@@ -202,8 +222,14 @@ class Producer:
                 self._held_ids[request_id] = held
             self._tickets[request_id] = ticket
             slot = slot_of(ticket, self._book.num_slots)
+            digest = np.frombuffer(
+                UNBOUND if held is None else hold_digest(
+                    self.config.auth_key, ticket, request_id, sorted(held), binding
+                ), np.uint64,
+            )  # fmt: skip
             for r in self.ranks:
-                r.words[slot] = held_word(ticket)
+                r.words[slot, DIGEST] = digest  # before the word: a reader judges both
+                r.words[slot, 0] = held_word(ticket)
             for rank, notice, seen in self._early.pop((request_id, ticket), []):
                 if now - seen <= EARLY_NOTICE_S:
                     self._apply(rank, notice, now)
@@ -244,7 +270,7 @@ class Producer:
             return
         slot = slot_of(ticket, self._book.num_slots)
         for r in self.ranks:
-            r.words[slot] = released_word(ticket)
+            r.words[slot, 0] = released_word(ticket)
         self._book.free(ticket)
 
     def refuse_ticket(self, ticket: int) -> bool:
@@ -259,7 +285,7 @@ class Producer:
                 return False
             slot = slot_of(ticket, self._book.num_slots)
             for r in self.ranks:
-                r.words[slot] = released_word(ticket)
+                r.words[slot, 0] = released_word(ticket)
             return True
 
     def release(self, request_id: str) -> bool:

@@ -401,12 +401,12 @@ class PushWorker:
         """A ticketed push writes only from a hold this rank has not ended (one not
         started yet is written: the consumer checks it after the WRITE)."""
         words = self._ranks[rank].words
-        if not words.size:
+        if not len(words):
             raise TransferError(
                 f"push {req.request_id!r} names hold {req.ticket}, but rank {rank} keeps no "
                 "hold table"
             )
-        word = int(words[slot_of(req.ticket, words.size)])
+        word = int(words[slot_of(req.ticket, len(words)), 0])
         if verdict(word, req.ticket) is HoldVerdict.RELEASED:
             raise HoldEndedError(
                 f"push {req.request_id!r}: rank {rank} had ended hold {req.ticket} (slot word "

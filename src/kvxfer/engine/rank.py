@@ -4,6 +4,7 @@ handshake records an engine serves."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import time
@@ -14,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.engine.config import U8, Buffer, EngineConfig
+from kvxfer.engine.holds import SLOT_BYTES, SLOT_WORDS
 from kvxfer.errors import ConfigError, KvxferError, LayoutError, TransferError
 from kvxfer.layout.buffers import host_view
 from kvxfer.layout.model import CacheLayout, DeviceBuffer, MemKind, Region, single_place
@@ -36,9 +38,9 @@ class RankCache:
     The buffers must outlive the rank; :meth:`close` deregisters them.
     ``backend_factory`` builds the agent from its name (default: a NixlBackend from
     ``config``; e.g. ``kvxfer.testing.MemoryBackend`` for in-process tests).
-    ``words``: 64-bit words of DRAM registered beside the cache (:attr:`words`): a
-    producer's hold table, a consumer's landing slots for hold checks
-    (:mod:`kvxfer.engine.holds`); 0 for none.
+    ``words``: slots of :data:`~kvxfer.engine.holds.SLOT_BYTES` of DRAM registered
+    beside the cache (:attr:`words`, one row a slot): a producer's hold table, a
+    consumer's landing slots for hold checks (:mod:`kvxfer.engine.holds`); 0 for none.
     """
 
     def __init__(
@@ -75,9 +77,10 @@ class RankCache:
                 auth_key=config.auth_key,
             )
         )
-        self.words: npt.NDArray[np.uint64] = np.zeros(words, np.uint64)
+        self.words: npt.NDArray[np.uint64] = np.zeros((words, SLOT_WORDS), np.uint64)
         self.words_list: Any = None  # the consumer's prepared list over words (lazily)
         self.word_cursor = 0
+        self.words_busy: dict[int, float] = {}  # consumer: slot -> reusable after (monotonic)
         try:
             self.backend.register(
                 [(r.base_addr, r.num_bytes, r.device_id) for r in self.layout.regions],
@@ -98,19 +101,39 @@ class RankCache:
     def words_list_ready(self) -> Any:
         """The prepared local list over :attr:`words` (one strided row; made on first
         use). The caller holds the engine lock."""
-        if self.words_list is None and self.words.size:
-            row = np.array([[self.words.ctypes.data, 8, 0, 8, self.words.size]], np.uint64)
+        if self.words_list is None and len(self.words):
+            row = np.array(
+                [[self.words.ctypes.data, SLOT_BYTES, 0, SLOT_BYTES, len(self.words)]], np.uint64
+            )
             self.words_list = self.backend.prepare(row)
         return self.words_list
 
     def next_word(self) -> int:
-        """A word of :attr:`words` for one hold check, round-robin (zeroed; under the
-        engine lock): a check READ released early may still land in its word, so a
-        word is reused as late as possible."""
-        i = self.word_cursor
-        self.word_cursor = (i + 1) % self.words.size
-        self.words[i] = 0
-        return i
+        """A slot of :attr:`words` for one hold check (zeroed; under the engine lock),
+        round-robin, never one in use: taken and not given back by :meth:`free_word`
+        (its check not judged yet, or released while its READ may still land).
+
+        Raises:
+            TransferError: every slot is in use.
+        """
+        n, now = len(self.words), time.monotonic()
+        for k in range(n):
+            i = (self.word_cursor + k) % n
+            until = self.words_busy.get(i)
+            if until is None or until <= now:
+                self.words_busy[i] = math.inf
+                self.word_cursor = (i + 1) % n
+                self.words[i] = 0
+                return i
+        raise TransferError(f"all {n} hold-check slots are in use: too many checks in flight")
+
+    def free_word(self, i: int, quarantine_s: float = 0.0) -> None:
+        """Give slot ``i`` back: at once (its READ completed), or after ``quarantine_s``
+        (its READ was released in flight and may still land)."""
+        if quarantine_s > 0:
+            self.words_busy[i] = time.monotonic() + quarantine_s
+        else:
+            self.words_busy.pop(i, None)
 
     def host_bufs(self) -> list[U8]:
         """The buffers as NumPy arrays, for host-side work (relayout after a transfer);
@@ -244,7 +267,7 @@ def encode_records(
     ``holds``: each rank's :attr:`RankCache.words` published as its hold table)."""
 
     def table(c: RankCache) -> tuple[int, int]:
-        return (c.words.ctypes.data, c.words.size) if holds and c.words.size else (0, 0)
+        return (c.words.ctypes.data, len(c.words)) if holds and len(c.words) else (0, 0)
 
     return {
         c.rank: encode_record(

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.engine.config import EngineConfig, RequestState
-from kvxfer.engine.holds import HoldVerdict, slot_of, verdict
+from kvxfer.engine.holds import DIGEST, HoldVerdict, binding_matches, slot_of, verdict
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache
 from kvxfer.engine.relayout import relayout_bsr
@@ -28,6 +28,7 @@ from kvxfer.errors import (
     ClosedError,
     DeadlineError,
     HoldEndedError,
+    HoldMismatchError,
     KvxferError,
     LeaseExpiredError,
     PeerLostError,
@@ -43,6 +44,7 @@ __all__ = ["RequestContext", "Transfer", "new_attempt", "num_bytes"]
 log = logging.getLogger(__name__)
 
 CHECK_AGAIN_S = 0.001  # a hold not started yet: its slot is read again this much later
+CHECK_QUARANTINE_S = 60.0  # a check slot whose READ was released in flight: not reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,8 @@ class Transfer(RequestEnd):
     failed_reason: str | None = None  # push: the producer's Failed notice
     lease_expires_at_ns: int | None = None  # pull: the producer's lease end (its wall clock)
     hold_ticket: int = 0  # the hold's ticket, checked after the READ / WRITEs (0: none)
+    hold_digest: bytes = b""  # the binding digest of these params (kvxfer.engine.holds)
+    rechecked_binding: bool = False  # a digest that differed was read once more
     read_pairs: list[tuple[int, int]] = field(default_factory=list)  # (local, remote rank)
     checks: list[tuple[int, int, int]] = field(default_factory=list)  # (local, remote, word)
     check_after: float = 0.0  # monotonic: a hold not started yet is checked again then
@@ -274,10 +278,35 @@ class Transfer(RequestEnd):
             cache.backend.post(x)
 
     def _judge_checks(self) -> None:
-        """Every slot word has landed: DONE only if each says the hold is alive."""
+        """Every slot has landed: DONE only if each says the hold is alive, and was made
+        for these params (its binding digest, :mod:`kvxfer.engine.holds`)."""
         ctx, ticket = self.context, self.hold_ticket
-        words = [(r, int(ctx.ranks[d].words[i])) for d, r, i in self.checks]
+        words, strangers = [], []
+        for d, r, i in self.checks:
+            slot = ctx.ranks[d].words[i]
+            word, digest = int(slot[0]), slot[DIGEST].tobytes()
+            ctx.ranks[d].free_word(i)
+            words.append((r, word))
+            if verdict(word, ticket) is HoldVerdict.HELD and not binding_matches(
+                digest, self.hold_digest
+            ):
+                strangers.append(r)
         self.checks = []
+        if strangers and not self.rechecked_binding:
+            # once more before failing: a check that raced the hold's start can see its
+            # new word beside the slot's previous digest (a false failure, never a
+            # false DONE; the producer writes the digest first)
+            self.rechecked_binding = True
+            self.check_after = time.monotonic() + CHECK_AGAIN_S
+            return
+        if strangers:
+            raise HoldMismatchError(
+                f"request {self.request_id!r}: hold {ticket} at {self.peer.address} (rank "
+                f"{strangers[0]}) was made for other params: its request id, block ids or "
+                "binding (in vLLM: the prompt) do not match these (forged or mixed-up "
+                f"params); the bytes of the {self.op.value} are not reported, and the "
+                "producer is not told (the hold is someone else's)"
+            )
         verdicts = {verdict(w, ticket): (r, w) for r, w in words}
         if HoldVerdict.RELEASED in verdicts:
             r, w = verdicts[HoldVerdict.RELEASED]
@@ -441,6 +470,9 @@ class Transfer(RequestEnd):
                 x.release()  # cancels in-flight work; buffers stay registered
             except KvxferError as e:
                 log.debug("release after failure: %s", e)
+        for d, _, i in self.checks:  # a check READ released in flight may land later
+            self.context.ranks[d].free_word(i, CHECK_QUARANTINE_S if self.xfers else 0.0)
+        self.checks = []
         self.xfers = []
         if (
             isinstance(self.peer.error, PeerLostError)
@@ -466,6 +498,9 @@ class Transfer(RequestEnd):
         else:
             self.state = RequestState.FAILED
         ctx.record(self)
+        if isinstance(error, HoldMismatchError):
+            self._ended_now()  # the hold is not this request's: its abort would free it
+            return
         if self.posted_at and self.peer.agents:  # tell every producer rank it may free the blocks
             for rank, agent in self.peer.agents.items():
                 gen = self.peer.generations[rank]

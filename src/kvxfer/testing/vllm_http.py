@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvxfer.integrations.vllm.params import prompt_hash
 from kvxfer.testing.vllm_pd import kv_transfer_config, side_channel_refusals
 
 __all__ = ["completion", "run_http", "start_server"]
@@ -30,14 +29,16 @@ PROXY = Path(__file__).resolve().parents[3] / "examples" / "vllm" / "proxy.py"
 
 
 def start_server(model: str, port: int, cpus: str, log_path: str,
-                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+                 env: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
     """One OpenAI API server with the kvxfer connector (its own process group), with
-    ``env`` added to this process's environment."""
+    ``env`` added to this process's environment and ``extra`` as the connector's
+    extra config."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
            "--dtype", "float32", "--block-size", "32", "--enforce-eager",
            "--max-model-len", "1024", "--max-num-seqs", "8", "--seed", "0",
-           "--kv-transfer-config", json.dumps(kv_transfer_config("kvxfer"))]  # fmt: skip
+           "--kv-transfer-config", json.dumps(kv_transfer_config("kvxfer", extra))]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
            "VLLM_LOG_STATS_INTERVAL": "1", **(env or {})}  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - handed to the child
@@ -112,26 +113,31 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_http(a: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
-             free_port: Callable[[], int]) -> dict[str, Any]:  # fmt: skip
+             free_port: Callable[[], int], other: str) -> dict[str, Any]:  # fmt: skip
     """Start P, D and the proxy; compare proxied decode tokens with the colocated ones.
-    Both servers hold one deployment key, from ``KVXFER_AUTH_KEY`` in their environment."""
+    Every server holds one deployment key, from ``KVXFER_AUTH_KEY`` in its environment.
+    ``other``: a model of other weights, the negative control's prefill server."""
     import secrets
 
-    pp, dp, xp = free_port(), free_port(), free_port()
-    p_url, d_url, x_url = (f"http://127.0.0.1:{x}" for x in (pp, dp, xp))
+    pp, dp, op, xp = free_port(), free_port(), free_port(), free_port()
+    p_url, d_url, o_url, x_url = (f"http://127.0.0.1:{x}" for x in (pp, dp, op, xp))
     keyed = {"KVXFER_AUTH_KEY": secrets.token_hex(32)}
-    # requests name the model as served: by its path
+    # requests name the model as served: by its path. The third server, the negative
+    # control's prefill, runs other weights under this model's name (model_name)
     procs = [start_server(a.model, pp, "0", os.path.join(a.log_dir, "http-prefill.log"), keyed),
-             start_server(a.model, dp, "1", os.path.join(a.log_dir, "http-decode.log"), keyed)]  # fmt: skip
+             start_server(a.model, dp, "1", os.path.join(a.log_dir, "http-decode.log"), keyed),
+             start_server(other, op, "0", os.path.join(a.log_dir, "http-prefill-other.log"),
+                          keyed, {"model_name": a.model})]  # fmt: skip
     try:
         t0 = time.perf_counter()
         _wait_health(p_url, procs[0], 600)
         _wait_health(d_url, procs[1], 600)
+        _wait_health(o_url, procs[2], 600)
         init_s = time.perf_counter() - t0
         procs.append(subprocess.Popen(
             [sys.executable, str(PROXY), "--prefill", p_url, "--decode", d_url, "--port", str(xp)],
             start_new_session=True))  # fmt: skip
-        _wait_health(x_url, procs[2], 30)
+        _wait_health(x_url, procs[3], 30)
         records = []
         for q in prompts:
             ref = completion(p_url, a.model, q, max_tokens)["choices"][0]
@@ -144,17 +150,15 @@ def run_http(a: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
                 "finish_reason": choice.get("finish_reason"),
                 "elapsed_s": round(time.perf_counter() - t, 3),
             })  # fmt: skip
-        # negative control: prompt A decoded (directly on D) with prompt B's KV (its params
-        # re-stamped with A's prompt hash, else the decode computes A locally)
-        a_prompt, b_prompt = prompts[-1], [(t * 7 + 3) % 1000 + 3 for t in prompts[-1]]
-        b_params = completion(p_url, a.model, b_prompt, 1, {"do_remote_decode": True})
-        forged = b_params["kv_transfer_params"]
-        forged["kvxfer"]["prompt_hash"] = prompt_hash(a_prompt)
-        neg = completion(d_url, a.model, a_prompt, max_tokens, forged)
+        # negative control: prompt A decoded (directly on D) with the KV of A from the
+        # server of other weights: right shapes, every check passes, other numbers
+        a_prompt = prompts[-1]
+        o_params = completion(o_url, other, a_prompt, 1, {"do_remote_decode": True})
+        neg = completion(d_url, a.model, a_prompt, max_tokens, o_params["kv_transfer_params"])
         negative = {"tokens": neg["choices"][0].get("token_ids"), "ref": records[-1]["ref"],
                     "finish_reason": neg["choices"][0].get("finish_reason")}  # fmt: skip
-        auth = side_channel_refusals(forged["kvxfer"]["address"])
-        metrics = _metrics_after(p_url, d_url, a.model, len(records) + 1)
+        auth = side_channel_refusals(o_params["kv_transfer_params"]["kvxfer"]["address"])
+        metrics = _metrics_after(p_url, d_url, a.model, len(records))
         time.sleep(1.5)  # one more VLLM_LOG_STATS_INTERVAL: the decode logs its stats
         with open(os.path.join(a.log_dir, "http-decode.log"), errors="replace") as f:
             stats_log = [ln.strip()[-300:] for ln in f if "KV Transfer metrics" in ln]

@@ -10,8 +10,9 @@ Runs under the vLLM environment's Python (``scripts/_vllm_venv.sh``); the tests 
 
 Scenarios:
     ci: one prefill and one decode (TP 1); 4 prompts, decode tokens vs colocated; the
-        negative control (prompt A decoded with prompt B's KV, its params re-stamped
-        with A's prompt hash); B's params as they are with prompt A (computed locally);
+        negative control (prompt A decoded with the KV of a model of other weights
+        that names itself as this one); B's params as they are with prompt A (computed
+        locally) and re-stamped with A's prompt hash (refused by B's hold binding);
         parallel sampling (n=2: one child reads, the other computes locally); the same
         params on a second decode engine after the prefill reused the blocks (its hold
         check refuses the read; recomputed); params naming a prefill outside the
@@ -109,19 +110,34 @@ def _refs(inst: Instance, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     return [list(inst.gen(q, MAX_TOKENS)["tokens"]) for q in prompts]
 
 
-def _negative(p: Instance, d: Instance, a_prompt: list[int], a_ref: list[int]) -> dict[str, Any]:
+def _negative(p_other: Instance, d: Instance, a_prompt: list[int], a_ref: list[int]
+              ) -> dict[str, Any]:  # fmt: skip
+    """The negative control: prompt A prefilled by ``p_other``, a model of other weights
+    that names itself as this one (``model_name`` set by hand, as a deployment that
+    loads one model from two paths does), decoded on ``d``: the KV has the right shapes
+    and passes every check, so the tokens must differ from A's colocated ones, or the
+    decode did not really use the KV it was handed."""
+    rec = _pd(p_other, d, a_prompt, a_ref)
+    return {**rec, "differs": rec["tokens"] != a_ref}
+
+
+def _forged(p: Instance, d: Instance, a_prompt: list[int], a_ref: list[int]) -> dict[str, Any]:
     """Prompt A with the params of prompt B (same length): as they are, the decode sees
-    they were made for another prompt and computes A locally (tokens equal A's); re-stamped
-    with A's prompt hash (what a proxy mixing up params would need to forge), the decode
-    takes them and decodes from B's KV: the tokens must differ, or the decode did not
-    really use the KV it was handed."""
+    they were made for another prompt and computes A locally; re-stamped with A's prompt
+    hash (what a client forging params, or a proxy mixing them up, would send), the
+    decode reads B's blocks, but B's hold was bound to B's prompt, so the load fails
+    (``HoldMismatchError``) and A is recomputed or failed by the decode's policy: never
+    decoded from B's KV. (Until 2026-12-07 this was the negative control: the decode
+    took the forged params and decoded A from B's KV.)"""
     b_prompt = make_prompts(1, VOCAB, [len(a_prompt)], seed=99)[0]
     b_params = p.gen(b_prompt, 1, PREFILL)["kv_transfer_params"]
     mismatch = _pd(p, d, a_prompt, a_ref, params=b_params)
     b_params = p.gen(b_prompt, 1, PREFILL)["kv_transfer_params"]  # a fresh hold of B's KV
     forged = {**b_params, "kvxfer": {**b_params["kvxfer"], "prompt_hash": prompt_hash(a_prompt)}}
+    seen = len(_log_lines(d, "HoldMismatchError"))
     rec = _pd(p, d, a_prompt, a_ref, params=forged)
-    return {**rec, "differs": rec["tokens"] != a_ref, "mismatch": mismatch}
+    return {**rec, "mismatch": mismatch, "log": _log_lines(d, "HoldMismatchError")[seen:],
+            "mismatch_log": _log_lines(d, "made for another prompt")}  # fmt: skip
 
 
 def _parallel(p: Instance, d: Instance, prompt: list[int], ref: list[int]) -> dict[str, Any]:
@@ -252,10 +268,14 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     # another model of the same architecture (other weights)
     d4 = _start("decode-other", a, "kvxfer", "1", model=other, failure_policy="recompute",
                 extra={**keyed, **STALL_TOLERANT})  # fmt: skip
+    # the same other weights as a prefill that names itself as the first model: the
+    # negative control's KV (right shapes, passes every check, other numbers)
+    p_other = _start("prefill-other", a, "kvxfer", "0", model=other,
+                     extra={**keyed, "model_name": a.model})  # fmt: skip
     try:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
                 "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready(),
-                "decode_other_s": d4.wait_ready()}  # fmt: skip
+                "decode_other_s": d4.wait_ready(), "prefill_other_s": p_other.wait_ready()}  # fmt: skip
         refs = _refs(p, [*prompts, neg, par, two, two_push, elsewhere, salted])
         ref = dict(zip(("neg", "par", "two", "two_push", "elsewhere", "salted"),
                        refs[len(prompts):], strict=True))  # fmt: skip
@@ -263,14 +283,16 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         metrics = {"decode": d.metrics(), "prefill": _released(p, len(records))}
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
-            "init": init, "records": records, "negative": _negative(p, d, neg, ref["neg"]),
+            "init": init, "records": records, "negative": _negative(p_other, d, neg, ref["neg"]),
+            "forged": _forged(p, d2, neg, ref["neg"]),
             "bad_config": bad_config, "sliding_window": sliding,
             "parallel": _parallel(p, d, par, ref["par"]),
             "log": _log_lines(d, "already took it", "made for another prompt"),
             "two_engines": _two_engines(p, d, d2, two, ref["two"], pool),
             "elsewhere": _elsewhere(p, d, elsewhere, ref["elsewhere"]),
             "push": {"records": pushed, "log": _log_lines(d3, "KV load ended"),
-                     "negative": _negative(p, d3, neg, ref["neg"])},
+                     "negative": _negative(p_other, d3, neg, ref["neg"]),
+                     "forged": _forged(p, d3, neg, ref["neg"])},
             "push_two_engines": _two_engines(p, d, d3, two_push, ref["two_push"], pool),
             "salt": _other_salt(p, d, salted, ref["salted"]),
             "other_weights": _other_weights(p, d4, prompts[1], refs[1]),
@@ -285,6 +307,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         d2.stop()
         d3.stop()
         d4.stop()
+        p_other.stop()
 
 
 def _evidence(*insts: Instance, n: int = 4) -> list[str]:
@@ -419,7 +442,7 @@ def _log_lines(inst: Instance, *keys: str) -> list[str]:
 def scenario_http(a: argparse.Namespace) -> dict[str, Any]:
     from kvxfer.testing.vllm_http import run_http
 
-    return run_http(a, prompt_set()[:6], MAX_TOKENS, free_port)
+    return run_http(a, prompt_set()[:6], MAX_TOKENS, free_port, _other_model(a))
 
 
 SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

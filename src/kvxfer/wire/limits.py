@@ -35,7 +35,7 @@ from msgspec import Meta
 
 from kvxfer.errors import ProtocolError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: a hold-table slot is 32 bytes (word, reserved, binding digest)
 
 MAX_RECORD_BYTES = 16 << 20  # one encoded envelope
 MAX_AGENT_METADATA_BYTES = 8 << 20  # NIXL agent blobs: a few KB to ~1 MB
@@ -53,7 +53,8 @@ MAX_BLOCK_ID = 1 << 40  # a logical block id on the wire (PushRequest.BlockIds)
 MAX_SMALL_INT = 1 << 32  # SmallInt: sizes, ranks, counts of heads, layers...
 MAX_U64 = (1 << 64) - 1  # U64: addresses, byte sizes, generations
 MAX_MSG_BYTES = 64 << 10  # one notification / control message
-MAX_HOLD_SLOTS = 1 << 24  # a producer rank's hold table (8 bytes a slot: 128 MiB)
+MAX_HOLD_SLOTS = 1 << 24  # a producer rank's hold table (HOLD_SLOT_BYTES a slot: 512 MiB)
+HOLD_SLOT_BYTES = 32  # a hold-table slot (kvxfer.engine.holds)
 MAX_RANKS = 4096  # ranks named in one side-channel request or reply
 MAX_SIDE_REQUEST_BYTES = 64 << 10
 MAX_SIDE_REPLY_BYTES = 64 << 20

@@ -22,6 +22,7 @@ from kvxfer.layout.model import (
 from kvxfer.layout.spec import AttnKind, LayoutSpec
 from kvxfer.wire.limits import (
     _ENCODER,
+    HOLD_SLOT_BYTES,
     MAX_AGENT_METADATA_BYTES,
     MAX_COUNT,
     MAX_DESCRIPTORS,
@@ -200,7 +201,7 @@ def check_record(rec: LayoutRecord, error: type[Exception] = ProtocolError) -> N
         raise error(f"generation {rec.generation} not a uint64")
     if not 0 <= rec.hold_slots <= MAX_HOLD_SLOTS or (rec.hold_slots and rec.hold_addr <= 0):
         raise error(f"hold table: {rec.hold_slots} slots at address {rec.hold_addr}")
-    if rec.hold_addr + 8 * rec.hold_slots > MAX_ADDR:
+    if rec.hold_addr + HOLD_SLOT_BYTES * rec.hold_slots > MAX_ADDR:
         raise error(f"hold table: {rec.hold_slots} slots at {rec.hold_addr} end past 2**64")
     for i, r in enumerate(rec.regions):
         if not (0 <= r.base_addr <= MAX_ADDR and 0 <= r.num_bytes <= MAX_ADDR - r.base_addr):

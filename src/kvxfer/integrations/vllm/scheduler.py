@@ -77,11 +77,13 @@ class LoadJob:
 @dataclass(frozen=True, slots=True)
 class HoldJob:
     """Prefill side: hold ``block_ids`` of ``request_id`` until read or the lease ends,
-    under ``ticket`` (the params carry it)."""
+    under ``ticket`` (the params carry it), bound to ``prompt_hash`` (a decode's load is
+    DONE only for params of this request, these blocks and this prompt)."""
 
     request_id: str
     block_ids: tuple[int, ...]
     ticket: int = 0
+    prompt_hash: str = ""
 
 
 @dataclass(slots=True)
@@ -323,7 +325,7 @@ class SchedulerSide:
             hold_ticket=ticket,
         )
         self._held[request_id] = ticket
-        self._step.holds.append(HoldJob(request_id, remote.block_ids, ticket))
+        self._step.holds.append(HoldJob(request_id, remote.block_ids, ticket, remote.prompt_hash))
         return True, compose_params(remote)
 
     def freed(self, request_ids: Iterable[str]) -> None:

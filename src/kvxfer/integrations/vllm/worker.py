@@ -179,7 +179,8 @@ class WorkerSide:
             if self.producer is None:
                 continue
             try:
-                self.producer.hold(h.request_id, block_ids=h.block_ids, ticket=h.ticket or None)
+                self.producer.hold(h.request_id, block_ids=h.block_ids, ticket=h.ticket or None,
+                                   binding=h.prompt_hash.encode())  # fmt: skip
             except Exception as e:  # one bad job must not stop the step
                 if h.ticket:  # its params are out: their readers fail now, not at deadline
                     self.producer.refuse_ticket(h.ticket)
@@ -208,7 +209,8 @@ class WorkerSide:
                 t = self.consumer.push(
                     r.request_id, r.address, local_block_ids=local, remote_block_ids=remote,
                     generation=r.generation_map, deadline_s=self.settings.extra.deadline_s,
-                    hold_ticket=r.hold_ticket or None,
+                    hold_ticket=r.hold_ticket or None, hold_block_ids=r.block_ids,
+                    hold_binding=r.prompt_hash.encode(),
                 )  # fmt: skip
             else:
                 lease_ns = None if r.lease_expires_at_ms is None else r.lease_expires_at_ms * 10**6
@@ -216,6 +218,7 @@ class WorkerSide:
                     r.request_id, r.address, local_block_ids=local, remote_block_ids=remote,
                     generation=r.generation_map, deadline_s=self.settings.extra.deadline_s,
                     lease_expires_at_ns=lease_ns, hold_ticket=r.hold_ticket or None,
+                    hold_block_ids=r.block_ids, hold_binding=r.prompt_hash.encode(),
                 )  # fmt: skip
         except Exception as e:  # reported as this load's failure
             self._loads[job.request_id] = _Load(job, None, f"{type(e).__name__}: {e}")

@@ -1,0 +1,109 @@
+"""A hold binds its ticket to the request id, block ids and an opaque binding (in vLLM:
+the prompt's hash); a READ or push is DONE only for params that match what was held
+(:mod:`kvxfer.engine.holds`), over real NIXL in this process, with a deployment key.
+
+The case this closes (a security review, 2026-12-07): params pass through clients and
+proxies, and a client could forge them. With any live ticket of a prefill and another
+request's block ids, a decode READ those blocks, its hold check passed (the ticket's
+slot word said held), and the load was DONE: another tenant's KV in the forger's
+request. The same through a push. A key did not help: the decode holds it and reads
+on the client's behalf.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, allocate_cache
+from kvxfer.errors import HoldMismatchError
+from kvxfer.layout.presets import spec_for
+from kvxfer.testing import fill, mismatches
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = b"k" * 32
+VICTIM = [9, 10]
+
+
+def _pair(mode: str):  # type: ignore[no-untyped-def]
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    pb, db = allocate_cache(spec), allocate_cache(spec)
+    fill(spec, pb)
+    prod = Producer(EngineConfig("p", model_name="tiny-gqa", auth_key=KEY), [(spec, pb)])
+    cons = Consumer(EngineConfig("d", model_name="tiny-gqa", auth_key=KEY), [(spec, db)])
+    go = cons.push if mode == "push" else cons.read
+    return spec, db, prod, cons, go
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(
+    "forge",
+    ["another ticket", "another request id", "another binding", "blocks not held"],
+)
+def test_forged_params_are_never_done(mode: str, forge: str) -> None:
+    spec, db, prod, cons, go = _pair(mode)
+    with prod, cons:
+        victim = prod.hold("victim", block_ids=VICTIM, binding=b"prompt-A")
+        mine = prod.hold("mine", block_ids=[1, 2], binding=b"prompt-B")
+        rid, ticket, binding, held = "victim", victim.ticket, b"prompt-A", VICTIM
+        if forge == "another ticket":  # a live ticket of the forger's own request
+            rid, ticket, binding = "mine", mine.ticket, b"prompt-B"
+        elif forge == "another request id":
+            rid = "forged"
+        elif forge == "another binding":  # the victim's params, the forger's prompt
+            binding = b"prompt-B"
+        else:  # the victim's params naming blocks beside them
+            held = [*VICTIM, 11]
+        t = go(rid, prod.address, local_block_ids=[2, 3], remote_block_ids=VICTIM,
+               generation=prod.generation, hold_ticket=ticket, hold_block_ids=held,
+               hold_binding=binding)  # fmt: skip
+        assert t.wait(20) is RequestState.FAILED, (t.state, t.error)
+        if mode == "push" and forge == "another ticket":  # the producer sees it first:
+            assert "blocks [9, 10] are not held for it" in str(t.error)  # 'mine' holds others
+        else:
+            assert isinstance(t.error, HoldMismatchError), t.error
+            assert f"hold {ticket}" in str(t.error) and "do not match" in str(t.error)
+        assert prod.num_held == 2  # neither hold was freed by the forged request
+        # the genuine reader still gets its bytes
+        t2 = go("victim", prod.address, local_block_ids=[4, 5], remote_block_ids=VICTIM,
+                generation=prod.generation, hold_ticket=victim.ticket,
+                hold_block_ids=VICTIM, hold_binding=b"prompt-A")  # fmt: skip
+        assert t2.wait(20) is RequestState.DONE, t2.error
+        assert mismatches(spec, db, spec, np.array([4, 5]), np.array(VICTIM)) == 0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_read_of_part_of_a_hold_is_done(mode: str) -> None:
+    """A decode with a prefix of the prompt cached reads only the rest of the held
+    blocks: the params' whole list binds, the read names a part of it."""
+    spec, db, prod, cons, go = _pair(mode)
+    with prod, cons:
+        held = [6, 7, 8, 9]
+        lease = prod.hold("r", block_ids=held, binding=b"p")
+        t = go("r", prod.address, local_block_ids=[1, 2], remote_block_ids=[8, 9],
+               generation=prod.generation, hold_ticket=lease.ticket, hold_block_ids=held,
+               hold_binding=b"p", num_cached_blocks=0)  # fmt: skip
+        assert t.wait(20) is RequestState.DONE, t.error
+        assert mismatches(spec, db, spec, np.array([1, 2]), np.array([8, 9])) == 0
+
+
+def test_a_read_naming_blocks_outside_its_hold_list_is_refused_at_once() -> None:
+    _, _, prod, cons, _ = _pair("pull")
+    with prod, cons:
+        lease = prod.hold("r", block_ids=[6, 7], binding=b"p")
+        with pytest.raises(Exception, match=r"remote blocks \[9\] are not in hold_block_ids"):
+            cons.read("r", prod.address, local_block_ids=[1, 2], remote_block_ids=[6, 9],
+                      hold_ticket=lease.ticket, hold_block_ids=[6, 7], hold_binding=b"p")  # fmt: skip
+
+
+def test_a_hold_without_block_ids_binds_nothing() -> None:
+    """``hold(num_blocks=N)`` names no blocks: its readers are checked by ticket only
+    (the behaviour before bindings; documented)."""
+    spec, db, prod, cons, go = _pair("pull")
+    with prod, cons:
+        lease = prod.hold("r", num_blocks=2)
+        t = go("r", prod.address, local_block_ids=[1, 2], remote_block_ids=[6, 7],
+               hold_ticket=lease.ticket, hold_binding=b"anything")  # fmt: skip
+        assert t.wait(20) is RequestState.DONE, t.error
+        assert mismatches(spec, db, spec, np.array([1, 2]), np.array([6, 7])) == 0
