@@ -101,3 +101,27 @@ def test_a_deadline_past_an_hour_is_refused_by_name() -> None:
         assert mismatches(SPEC, cons.ranks[0].bufs, SPEC, [2], [6]) == 0
     with pytest.raises(ConfigError, match="deadline_s must be at most 3600 seconds"):
         EngineConfig("x", deadline_s=3601.0).check()
+
+
+def test_forgetting_a_consumer_releases_its_lists_on_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over real NIXL: forgetting a consumer released the lists naming its agent, not
+    the producer's own half of each pair (1, 2, ... 6 lists for one consumer known)."""
+    monkeypatch.setattr(pusher_mod, "MAX_CONSUMERS", 1)
+    bufs = allocate_cache(SPEC)
+    fill(SPEC, bufs)
+
+    def nixl_consumer(name: str) -> Consumer:
+        return Consumer(EngineConfig(name, model_name="tiny-gqa"), [(SPEC, allocate_cache(SPEC))])
+
+    with (
+        Producer(EngineConfig("pp", model_name="tiny-gqa"), [(SPEC, bufs)]) as prod,
+        nixl_consumer("c1") as c1,
+        nixl_consumer("c2") as c2,
+    ):
+        backend = prod.ranks[0].backend
+        counts = []
+        for i in range(6):
+            _push(prod, (c1, c2)[i % 2], f"r{i}", i % 16, (i + 5) % 16)
+            counts.append(len(backend._prepared))
+        assert len(prod._pusher._peers) == 1
+        assert counts[2:] == counts[1:-1], counts  # bounded: one consumer's pair at a time

@@ -323,6 +323,13 @@ class PushWorker:
         for job in [j for j in self._writes if j.sender in peer.agents.values()]:
             self._release(job)
         self._writes = [j for j in self._writes if j.xfer is not None]
+        for pair in peer.lists.values():  # ours too: remove_remote releases only theirs
+            for plist in pair:
+                try:
+                    plist.release()
+                except KvxferError as e:
+                    log.debug("release of %s's list: %s", address, e)
+        peer.lists.clear()
         for cache in self._ranks.values():
             for agent in peer.agents.values():
                 try:
@@ -374,8 +381,12 @@ class PushWorker:
             mine = backend.prepare(
                 src.remote_rows, strided=self._strided, mem_kind=self._ranks[rank].mem_kind
             )
-            theirs = backend.prepare(src.local_rows, job.sender, strided=self._strided,
-                                     mem_kind=peer.mem_kinds[req.consumer_rank])  # fmt: skip
+            try:
+                theirs = backend.prepare(src.local_rows, job.sender, strided=self._strided,
+                                         mem_kind=peer.mem_kinds[req.consumer_rank])  # fmt: skip
+            except BaseException:
+                mine.release()
+                raise
             peer.lists[key] = (mine, theirs)
         mine, theirs = peer.lists[key]
         rp = RequestIds.of(
