@@ -102,3 +102,19 @@ def test_each_receiving_agent_judges_replays_alone() -> None:
     finally:
         for b in (sender, r1, r2):
             b.close()
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_a_backend_factory_must_carry_the_key(role: str) -> None:
+    """A keyed engine given a ``backend_factory`` ran its side channel keyed but its
+    notifications unkeyed: forged ReadDone/Abort/LeaseRenew/PushRequest were obeyed."""
+    from kvxfer.errors import ConfigError
+
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+    engine = Producer if role == "producer" else Consumer
+    with pytest.raises(ConfigError, match=r"backend_factory.*does not carry the config's auth_key"):
+        engine(_config("e", KEY), [(spec, allocate_cache(spec))],
+               backend_factory=lambda n: NixlBackend(n, num_threads=2))  # fmt: skip
+    with engine(_config("e", KEY), [(spec, allocate_cache(spec))],
+                backend_factory=lambda n: NixlBackend(n, auth_key=KEY)) as ok:  # fmt: skip
+        assert ok.ranks[0].backend.auth_key == KEY

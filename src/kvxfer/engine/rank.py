@@ -77,6 +77,16 @@ class RankCache:
                 auth_key=config.auth_key,
             )
         )
+        if backend_factory is not None and getattr(self.backend, "auth_key", None) != (
+            config.auth_key
+        ):
+            self.backend.close()
+            raise ConfigError(
+                f"rank {spec.tp_rank}: the backend from backend_factory does not carry the "
+                "config's auth_key: its notifications would go unauthenticated (forged "
+                "ReadDone, Abort, LeaseRenew, PushRequest obeyed); build it with "
+                "auth_key=config.auth_key"
+            )
         self.words: npt.NDArray[np.uint64] = np.zeros((words, SLOT_WORDS), np.uint64)
         self.words_list: Any = None  # the consumer's prepared list over words (lazily)
         self.word_cursor = 0

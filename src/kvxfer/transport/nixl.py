@@ -184,6 +184,11 @@ class NixlBackend:
         with translate("get_local_metadata"):
             return bytes(self._live().getLocalMD())
 
+    @property
+    def auth_key(self) -> bytes | None:
+        """The key notifications are sealed and opened with (None: unkeyed)."""
+        return self._auth_key
+
     def add_remote(self, blob: bytes) -> str:
         """Load a peer's metadata blob; a known name is removed first (restarted peer).
 
