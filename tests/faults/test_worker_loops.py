@@ -97,3 +97,77 @@ def test_heartbeat_verdict_about_an_older_incarnation_keeps_the_peer() -> None:
         t2 = cons.read("r2", prod.address, local_block_ids=[1], remote_block_ids=[6])
         assert t2.wait(10) is RequestState.DONE and t2.peer is not peer  # a fresh contact
         assert mismatches(spec, local, spec, np.array([0, 1]), np.array([5, 6])) == 0
+
+
+def test_close_waits_for_the_heartbeat_thread_over_many_silent_producers() -> None:
+    """A heartbeat round over 20 producers that never answer (listening sockets that
+    speak no ZMTP) took seconds; close() returned while the thread probed on (and
+    could still call back into the closed engine)."""
+    import socket
+
+    from kvxfer.engine import Consumer, EngineConfig, allocate_cache
+    from kvxfer.layout.presets import spec_for
+
+    socks = []
+    try:
+        for _ in range(20):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(64)
+            socks.append(s)
+        spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=4)
+        cons = Consumer(EngineConfig("d", model_name="tiny-gqa", heartbeat_s=0.2),
+                        [(spec, allocate_cache(spec))])  # fmt: skip
+        for i, s in enumerate(socks):  # what a first contact does for each producer
+            ep = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            cons._monitor.watch(ep, {ep: {i + 1}})
+        time.sleep(0.5)  # a round is under way
+        t0 = time.monotonic()
+        cons.close()
+        took = time.monotonic() - t0
+        assert not cons._monitor._thread.is_alive(), (
+            f"close returned after {took:.1f} s with the heartbeat thread still probing"
+        )
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_refused_heartbeat_counts_as_a_miss_not_a_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A keyed probe refused as ``unauthorized`` (an on-path attacker who got a captured
+    request to the server first, which then takes the real one for a replay; or a
+    request overtaken by 1,024 later ones) dropped the producer at once, failing its
+    live loads. It is a miss now: the next answer clears it."""
+    from kvxfer.engine import liveness
+    from kvxfer.errors import AuthError
+
+    key = b"k" * 32
+    real, calls = liveness.fetch_records, [0]
+
+    def refused_once(*a, **k):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 1:
+            raise AuthError("unauthorized: authentication required")
+        return real(*a, **k)
+
+    monkeypatch.setattr(liveness, "fetch_records", refused_once)
+    from kvxfer.engine import EngineConfig, Producer, allocate_cache
+    from kvxfer.layout.presets import spec_for
+
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=4)
+    verdicts: list[str] = []
+    with Producer(EngineConfig("p", model_name="tiny-gqa", auth_key=key),
+                  [(spec, allocate_cache(spec))]) as prod:  # fmt: skip
+        mon = PeerMonitor(prod.compat_hash, 0.1, lambda k, r, g: verdicts.append(r),
+                          max_misses=3, auth_key=key)  # fmt: skip
+        try:
+            mon.watch("p", {prod.address: {prod.generation}})
+            end = time.monotonic() + 10
+            while calls[0] < 4 and time.monotonic() < end:
+                time.sleep(0.05)
+            assert calls[0] >= 4  # refused once, then answered
+            assert verdicts == []  # was: "heartbeat refused: unauthorized ..." at once
+        finally:
+            mon.close()

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvxfer.errors import KvxferError, PeerLostError
+from kvxfer.errors import AuthError, KvxferError, PeerLostError
 from kvxfer.transport.side_client import fetch_records
 
 __all__ = ["PeerMonitor", "listener_gone"]
@@ -159,12 +159,16 @@ class PeerMonitor:
             with self._lock:
                 peers = {k: dict(v) for k, v in self._peers.items()}
             for key, endpoints in peers.items():
+                if self._stop.is_set():
+                    return  # close() waits for this thread: one probe at most, not a round
                 self._heartbeat(key, endpoints)
             self._watch_ends()
 
     def _heartbeat(self, key: str, endpoints: dict[str, tuple[set[int], int, float]]) -> None:
         watched = {g for gens, _, _ in endpoints.values() for g in gens}
         for ep, (gens, misses, heard) in endpoints.items():
+            if self._stop.is_set():
+                return
             gone = False
             try:
                 reason, gone = self._probe(key, ep, gens, misses, heard)
@@ -187,6 +191,8 @@ class PeerMonitor:
             ending = dict(self._ending)
         now = time.monotonic()
         for ep, (gens, until) in ending.items():
+            if self._stop.is_set():
+                return
             ended: set[int] = set()
             if now < until:
                 try:
@@ -234,17 +240,21 @@ class PeerMonitor:
             recs = fetch_records(
                 endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key
             )
-        except PeerLostError:
-            if listener_gone(endpoint):
+        except (PeerLostError, AuthError) as e:
+            # AuthError: refused as unauthorized, which a key holder's probe gets only if
+            # an on-path party replayed it first or 1,024 later ones overtook it: a miss,
+            # as silence is (a peer that refuses every probe is dropped like a silent one)
+            if isinstance(e, PeerLostError) and listener_gone(endpoint):
                 return f"{endpoint}: refuses connections (its process exited)", True
             with self._lock:
                 if key in self._peers and endpoint in self._peers[key]:
                     self._peers[key][endpoint] = (gens, misses + 1, heard)
             silent = time.monotonic() - heard
             if misses + 1 >= self._max_misses and silent >= self._silence_s:
+                why = f"; last refusal: {e}" if isinstance(e, AuthError) else ""
                 return (
                     f"{endpoint}: no heartbeat reply {misses + 1} times in a row "
-                    f"({silent:.1f} s without an answer)"
+                    f"({silent:.1f} s without an answer{why})"
                 ), False
             return None, False
         except KvxferError as e:
