@@ -16,8 +16,10 @@ from kvxfer.wire import (
     GetRecords,
     Records,
     decode_side,
+    encode_record,
     encode_side,
     layout_from_record,
+    record_from_layout,
 )
 from kvxfer.wire.auth import SIDE_REQUEST, Sealer, is_sealed
 from tests.integration.test_side_channel import TIMEOUT_S, H, layout, records
@@ -109,14 +111,14 @@ def test_mixed_key_and_no_key_refuse_clearly(keyed: SideChannelServer) -> None:
 
 def test_records_reply_is_bound_to_its_request(keyed: SideChannelServer) -> None:
     """A sealed Records reply captured from one exchange opens for no other request."""
-    from kvxfer.wire.auth import SIDE_REPLY, open_frame
+    from kvxfer.wire.auth import SIDE_REPLY, decrypt_reply, open_frame
 
     s = Sealer(KEY, SIDE_REQUEST, "consumer")
     req1, req2 = (s.seal(encode_side(GetRecords(None, H))) for _ in range(2))
     reply1 = raw(keyed.address, req1)
     assert reply1 is not None
     opened = open_frame(KEY, reply1, SIDE_REPLY, context=req1[-32:], max_bytes=1 << 30)
-    assert isinstance(decode_side(opened.payload), Records)
+    assert isinstance(decode_side(decrypt_reply(KEY, opened.payload)), Records)
     with pytest.raises(AuthError, match="bad MAC"):
         open_frame(KEY, reply1, SIDE_REPLY, context=req2[-32:], max_bytes=1 << 30)
 
@@ -132,3 +134,30 @@ def test_non_loopback_without_key_warns(caplog: pytest.LogCaptureFixture) -> Non
         with SideChannelServer("tcp://127.0.0.1:0", records(1)):
             pass
         assert "WITHOUT" not in caplog.text
+
+
+def test_a_captured_request_replayed_to_another_server_reads_nothing() -> None:
+    """A request sealed for server A, captured on its path and replayed to server B
+    within its freshness window, opened there (B never saw it), and B's sealed reply
+    carried its records in clear: agent metadata, and with it UCX access to B's memory.
+    Replies are encrypted under the key now: the attacker reads nothing from either."""
+    from kvxfer.transport.side_client import _client_sealer, _open_reply
+
+    def secret(name: bytes) -> dict[int, bytes]:
+        rec = record_from_layout(layout(0), agent_name="p0", agent_metadata=name * 64,
+                                 generation=1)  # fmt: skip
+        return {0: encode_record(rec, H)}
+
+    a = SideChannelServer("tcp://127.0.0.1:0", secret(b"A-secret"), auth_key=KEY).start()
+    b = SideChannelServer("tcp://127.0.0.1:0", secret(b"B-secret"), auth_key=KEY).start()
+    try:
+        captured = _client_sealer(KEY).seal(encode_side(GetRecords(None, H)))
+        for srv, name in ((a, b"A-secret"), (b, b"B-secret")):
+            reply = raw(srv.address, captured)
+            assert reply is not None and is_sealed(reply)
+            assert name not in reply  # was there in clear, 64 times
+            plain = decode_side(_open_reply(srv.address, reply, KEY, captured))  # a key holder
+            assert isinstance(plain, Records) and name * 64 in plain.records[0]
+    finally:
+        a.stop()
+        b.stop()

@@ -53,6 +53,7 @@ from kvxfer.wire.auth import (
     SIDE_REQUEST,
     ReplayGuard,
     Sealer,
+    encrypt_reply,
     is_sealed,
     open_frame,
 )
@@ -263,9 +264,8 @@ class SideChannelServer:
         except AuthError as e:
             self._reject(f"unauthenticated: {e}")  # the detail stays in our log
             return _REFUSAL
-        return self._sealer.seal(
-            self._encode(self._answer_safe(opened.payload)), context=opened.tag
-        )
+        reply = self._encode(self._answer_safe(opened.payload))
+        return self._sealer.seal(encrypt_reply(self._key, reply), context=opened.tag)
 
     def _plain_reply(self, body: bytes) -> bytes:
         """The encoded reply to a plain request; cached while the records are a mapping.

@@ -29,6 +29,7 @@ from kvxfer.wire.auth import (
     SIDE_REPLY,
     SIDE_REQUEST,
     Sealer,
+    decrypt_reply,
     is_sealed,
     open_frame,
 )
@@ -72,9 +73,9 @@ def _open_reply(address: str, frame: bytes, key: bytes | None, request: bytes) -
             context=request[-32:],  # the request's tag: this reply answers this request
             max_bytes=MAX_SIDE_REPLY_BYTES + SEAL_OVERHEAD,
         )
+        return decrypt_reply(key, opened.payload)
     except AuthError as e:
         raise AuthError(f"side channel {address}: reply failed authentication: {e}") from None
-    return opened.payload
 
 
 def fetch_records(

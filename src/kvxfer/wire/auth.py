@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 from msgspec import Struct
 
 from kvxfer.errors import AuthError, LayoutError
@@ -52,6 +53,8 @@ __all__ = [
     "Opened",
     "ReplayGuard",
     "Sealer",
+    "decrypt_reply",
+    "encrypt_reply",
     "is_sealed",
     "load_auth_key",
     "open_frame",
@@ -134,6 +137,39 @@ def _mac(key: bytes, context: bytes, signed: bytes) -> bytes:
     h.update(context)
     h.update(signed)
     return h.digest()
+
+
+_ENC_KEY_TAG = b"kvxfer.side-reply-encryption/1"
+NONCE_BYTES = 16
+
+
+def _keystream(key: bytes, nonce: bytes, n: int) -> bytes:
+    """``n`` bytes of SHAKE-256 over an encryption key derived from ``key`` (HMAC, so it
+    is not the MAC key) and a fresh ``nonce``: a stream cipher from the standard library."""
+    enc_key = hmac.new(key, _ENC_KEY_TAG, hashlib.sha256).digest()
+    return hashlib.shake_256(enc_key + nonce).digest(n)
+
+
+def _xor(data: bytes, stream: bytes) -> bytes:
+    return (np.frombuffer(data, np.uint8) ^ np.frombuffer(stream, np.uint8)).tobytes()
+
+
+def encrypt_reply(key: bytes, plain: bytes) -> bytes:
+    """A side-channel reply payload only key holders can read: a random nonce, then
+    ``plain`` XORed with the keystream (sealed afterwards: encrypt, then MAC). Records
+    carry agent metadata, which gives UCX access to an agent's memory: a request
+    replayed to another server (it never saw it, so its replay window lets it through)
+    must not get them in clear."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return nonce + _xor(plain, _keystream(key, nonce, len(plain)))
+
+
+def decrypt_reply(key: bytes, data: bytes) -> bytes:
+    """The plain payload of :func:`encrypt_reply` (its frame's MAC already verified)."""
+    if len(data) < NONCE_BYTES:
+        raise AuthError(f"encrypted reply of {len(data)} bytes: shorter than its nonce")
+    nonce, body = data[:NONCE_BYTES], data[NONCE_BYTES:]
+    return _xor(body, _keystream(key, nonce, len(body)))
 
 
 class Sealer:
