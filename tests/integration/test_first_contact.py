@@ -288,3 +288,76 @@ def test_a_new_producer_has_paid_its_first_incoming_peers_cost_in_the_background
             assert all(np.array_equal(a, b) for a, b in zip(before, bufs, strict=True))
     finally:
         mp.undo()
+
+
+def _read_ok(prod: Producer, cons: Consumer, spec, local, address: str, i: int) -> None:  # type: ignore[no-untyped-def]
+    lids, rids = np.array([i % 16]), np.array([(i + 3) % 16])
+    prod.hold(f"r{i}", block_ids=rids.tolist())
+    t = cons.read(f"r{i}", address, local_block_ids=lids, remote_block_ids=rids)
+    assert t.wait(10) is RequestState.DONE, (i, address, t.state, t.error)
+    assert mismatches(spec, local, spec, lids, rids) == 0
+
+
+def test_one_producer_under_two_spellings_of_its_address() -> None:
+    """``tcp://127.0.0.1:P`` and ``tcp://localhost:P`` are one producer: two peers that
+    share its agents. The second contact loaded the agent again, which released the
+    first peer's lists; the first's failure then removed the agent the second used
+    (DONE, DONE, PEER_LOST, then FAILED for good). Each read is DONE now, and dropping
+    one spelling leaves the other working."""
+    with local_pair(16) as (spec, local, prod, cons):
+        a = prod.address
+        b = a.replace("127.0.0.1", "localhost")
+        assert a != b
+        for i in range(6):
+            _read_ok(prod, cons, spec, local, (a, b)[i % 2], i)
+        backend = cons.ranks[0].backend
+        assert len(backend._remotes) == 1  # loaded once, used by both peers
+        with cons._lock:
+            peer_a = cons._peers[a]
+        cons._drop_peer(peer_a)  # as a failed request of that spelling would
+        assert len(backend._remotes) == 1  # still in use by the other spelling
+        _read_ok(prod, cons, spec, local, b, 7)
+        with cons._lock:
+            peer_b = cons._peers[b]
+        cons._drop_peer(peer_b)
+        assert backend._remotes == set()  # the last user gone: removed
+
+
+def _lists(cons: Consumer) -> int:
+    return sum(len(c.backend._prepared) for c in cons.ranks.values())
+
+
+def test_a_dropped_peer_leaves_no_prepared_list_behind() -> None:
+    """Each drop leaked the local half of every (local, remote) list pair: 3, 4, 5, 6
+    lists over four drops, on NIXL (the in-memory seam holds them weakly)."""
+    with local_pair(16) as (spec, local, prod, cons):
+        before, counts = _lists(cons), []
+        for i in range(4):
+            _read_ok(prod, cons, spec, local, prod.address, i)
+            with cons._lock:
+                peer = cons._peers[prod.address]
+            cons._drop_peer(peer)
+            counts.append(_lists(cons))
+        assert counts == [before + 1] * 4  # the hold-check landing slots' list stays
+        assert cons.ranks[0].backend._remotes == set()
+
+
+def test_a_failed_first_contact_leaves_no_agent_or_list_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvxfer.errors import TransferError
+
+    with local_pair(16) as (spec, local, prod, cons):
+        real, before = cons._wire_up, _lists(cons)
+
+        def fails(peer) -> None:  # type: ignore[no-untyped-def]
+            raise TransferError("injected: wire-up failed")
+
+        monkeypatch.setattr(cons, "_wire_up", fails)
+        t = cons.read("x", prod.address, local_block_ids=[1], remote_block_ids=[2])
+        assert t.wait(10) is RequestState.FAILED and "injected" in str(t.error)
+        assert cons.ranks[0].backend._remotes == set()  # the agent it had added
+        assert _lists(cons) == before + 1  # nor the lists it had prepared (the landing
+        # slots' list, made once, stays)
+        monkeypatch.setattr(cons, "_wire_up", real)
+        _read_ok(prod, cons, spec, local, prod.address, 1)  # the next contact works

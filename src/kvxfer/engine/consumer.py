@@ -77,6 +77,7 @@ class Consumer(FirstContact):
         self._watched: dict[str, tuple[float, float]] = {}
         self._contacting = 0
         self._contact_queue: deque[PeerInfo] = deque()
+        self._agent_users: dict[str, set[int]] = {}
         self._stats = StatsRecorder()
         self.ranks: dict[int, RankCache] = {}
         try:

@@ -54,6 +54,7 @@ class FirstContact:
     _watched: dict[str, tuple[float, float]]  # preconnect addresses (under _lock)
     _contacting: int  # first-contact threads running (under _lock)
     _contact_queue: deque[PeerInfo]  # new producers waiting for one of them (under _lock)
+    _agent_users: dict[str, set[int]]  # remote agent -> ids of peers using it (engine lock)
     _monitor: PeerMonitor
     _inbox: Inbox
     generation: int
@@ -294,14 +295,49 @@ class FirstContact:
         with self._lock:
             if self._peers.get(peer.address) is peer:
                 del self._peers[peer.address]  # the next request tries again
+        with self._engine_lock:
+            if not self._closed:
+                self._release_peer(peer)  # what it had added or prepared before it failed
 
     def _add_agents(
         self, peer: PeerInfo, recs: Sequence[LayoutRecord], names: dict[int, str]
     ) -> None:
-        for cache in self.ranks.values():
-            for rec in recs:
-                cache.backend.add_remote(rec.agent_metadata)
-        peer.agents = names
+        """Load each producer rank's agent on every local rank, unless another peer (the
+        same producer under another spelling of its address: agent names carry the
+        producer's generation) loaded it already; loading it again would release that
+        peer's lists. Engine lock held."""
+        peer.agents = dict(names)  # before loading: a failure below releases what was
+        for rec in recs:
+            users = self._agent_users.setdefault(rec.agent_name, set())
+            first = not users
+            users.add(id(peer))
+            if first:
+                for cache in self.ranks.values():
+                    cache.backend.add_remote(rec.agent_metadata)
+
+    def _release_peer(self, peer: PeerInfo) -> None:
+        """Release a peer's prepared lists, and each of its agents no other peer uses
+        (engine lock held; the peer is out of ``_peers``). Idempotent."""
+        lists = [x for pair in peer.lists.values() for x in pair]
+        peer.lists, peer.hold_lists, held = {}, {}, list(peer.hold_lists.values())
+        for plist in (*lists, *held):
+            try:
+                plist.release()
+            except KvxferError as e:
+                log.debug("release of %s's list: %s", peer.address, e)
+        for agent in peer.agents.values():
+            users = self._agent_users.get(agent)
+            if users is None or id(peer) not in users:
+                continue
+            users.discard(id(peer))
+            if users:
+                continue  # another spelling of this producer's address still uses it
+            del self._agent_users[agent]
+            for cache in self.ranks.values():
+                try:
+                    cache.backend.remove_remote(agent)
+                except KvxferError as e:
+                    log.debug("remove_remote %s: %s", agent, e)
 
     def _prepare(self, peer: PeerInfo, names: dict[int, str]) -> None:
         for d, plan in peer.plans.items():
@@ -341,12 +377,7 @@ class FirstContact:
                 del self._peers[peer.address]
                 self._monitor.forget(peer.address)
                 watched = self._watched.get(peer.address)
-            for cache in self.ranks.values():
-                for agent in peer.agents.values():
-                    try:
-                        cache.backend.remove_remote(agent)
-                    except KvxferError as e:
-                        log.debug("remove_remote %s: %s", agent, e)
+            self._release_peer(peer)
         if watched is not None and not self._closed:
             log.info("preconnect: %s dropped; contacting it again", peer.address)
             self._start_preconnect([peer.address], *watched)
