@@ -53,8 +53,9 @@ def test_negative_control_decode_uses_transferred_kv(ci: dict[str, Any]) -> None
     neg = ci["negative"]
     assert neg["finish_reason"] == "length"
     assert len(neg["tokens"]) == 8
+    # computed here, A's tokens would equal its colocated ones (greedy, float32): they
+    # differ only if the decode used the KV it was handed
     assert neg["tokens"] != neg["ref"], "decoding A with another model's KV gave A's tokens"
-    assert neg["num_cached_tokens"] == 64  # the 70-token prompt's two full blocks: loaded
 
 
 def _refused_forgery(forged: dict[str, Any]) -> None:

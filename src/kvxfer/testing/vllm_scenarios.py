@@ -245,6 +245,10 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     sliding = _sliding_window(a)  # alone too: refused when its KV cache is known
     prompts = make_prompts(4, VOCAB, [40, 70, 129, 17], seed=1)
     neg = make_prompts(1, VOCAB, [70], seed=7)[0]
+    # its own prompt: the negative control leaves the other model's KV of ``neg`` in the
+    # decode's prefix cache (as any decode keeps what it loaded), which a later request
+    # of ``neg`` there would reuse
+    forge = make_prompts(1, VOCAB, [70], seed=31)[0]
     par = make_prompts(1, VOCAB, [100], seed=5)[0]
     two = make_prompts(1, VOCAB, [90], seed=13)[0]
     two_push = make_prompts(1, VOCAB, [90], seed=17)[0]
@@ -276,15 +280,15 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
         init = {"prefill_s": p.wait_ready(), "decode_s": d.wait_ready(),
                 "decode2_s": d2.wait_ready(), "decode3_s": d3.wait_ready(),
                 "decode_other_s": d4.wait_ready(), "prefill_other_s": p_other.wait_ready()}  # fmt: skip
-        refs = _refs(p, [*prompts, neg, par, two, two_push, elsewhere, salted])
-        ref = dict(zip(("neg", "par", "two", "two_push", "elsewhere", "salted"),
+        refs = _refs(p, [*prompts, neg, forge, par, two, two_push, elsewhere, salted])
+        ref = dict(zip(("neg", "forge", "par", "two", "two_push", "elsewhere", "salted"),
                        refs[len(prompts):], strict=True))  # fmt: skip
         records = [_pd(p, d, q, r) for q, r in zip(prompts, refs, strict=False)]
         metrics = {"decode": d.metrics(), "prefill": _released(p, len(records))}
         pushed = [_pd(p, d3, q, r) for q, r in zip(prompts, refs, strict=False)]
         return {
             "init": init, "records": records, "negative": _negative(p_other, d, neg, ref["neg"]),
-            "forged": _forged(p, d2, neg, ref["neg"]),
+            "forged": _forged(p, d2, forge, ref["forge"]),
             "bad_config": bad_config, "sliding_window": sliding,
             "parallel": _parallel(p, d, par, ref["par"]),
             "log": _log_lines(d, "already took it", "made for another prompt"),
@@ -292,7 +296,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
             "elsewhere": _elsewhere(p, d, elsewhere, ref["elsewhere"]),
             "push": {"records": pushed, "log": _log_lines(d3, "KV load ended"),
                      "negative": _negative(p_other, d3, neg, ref["neg"]),
-                     "forged": _forged(p, d3, neg, ref["neg"])},
+                     "forged": _forged(p, d3, forge, ref["forge"])},
             "push_two_engines": _two_engines(p, d, d3, two_push, ref["two_push"], pool),
             "salt": _other_salt(p, d, salted, ref["salted"]),
             "other_weights": _other_weights(p, d4, prompts[1], refs[1]),
