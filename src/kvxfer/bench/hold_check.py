@@ -1,7 +1,7 @@
 """``kvxfer bench hold-check``: what the hold check costs a pull request.
 
 A request read with a hold ticket (:mod:`kvxfer.engine.holds`) is DONE only after one
-more small READ (the producer rank's 8-byte slot word) has come back, and its ReadDone
+more small READ (the producer rank's 32-byte hold slot) has come back, and its ReadDone
 goes out after that; a request without one is DONE when its data READ completes. This
 benchmark measures both on the same engines, interleaved: a real
 :class:`~kvxfer.engine.producer.Producer` in a spawned process (the first-contact

@@ -256,7 +256,7 @@ def scenario_ci(a: argparse.Namespace) -> dict[str, Any]:
     salted = make_prompts(1, VOCAB, [50], seed=29)[0]
     pool = 128  # the prefill's blocks: a small pool, so freed blocks are reused soon
     other = _other_model(a)
-    keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all five
+    keyed = {"auth_key_file": write_key_file(a.log_dir)}  # one deployment key for all six
     # the prefill and the first decode with vLLM's stats path on (its metrics are checked)
     p = _start("prefill", a, "kvxfer", "0", num_gpu_blocks_override=pool, extra=keyed,
                log_stats=True)  # fmt: skip
