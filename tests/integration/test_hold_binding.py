@@ -12,11 +12,13 @@ on the client's behalf.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, allocate_cache
-from kvxfer.errors import HoldMismatchError
+from kvxfer.errors import ConfigError, HoldMismatchError
 from kvxfer.layout.presets import spec_for
 from kvxfer.testing import fill, mismatches
 
@@ -64,7 +66,7 @@ def test_forged_params_are_never_done(mode: str, forge: str) -> None:
         else:
             assert isinstance(t.error, HoldMismatchError), t.error
             assert f"hold {ticket}" in str(t.error) and "do not match" in str(t.error)
-        assert prod.num_held == 2  # neither hold was freed by the forged request
+        assert prod.held_block_ids("victim") is not None  # not freed by the forgery
         # the genuine reader still gets its bytes
         t2 = go("victim", prod.address, local_block_ids=[4, 5], remote_block_ids=VICTIM,
                 generation=prod.generation, hold_ticket=victim.ticket,
@@ -107,3 +109,107 @@ def test_a_hold_without_block_ids_binds_nothing() -> None:
                hold_ticket=lease.ticket, hold_binding=b"anything")  # fmt: skip
         assert t.wait(20) is RequestState.DONE, t.error
         assert mismatches(spec, db, spec, np.array([1, 2]), np.array([6, 7])) == 0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_params_with_the_held_blocks_reordered_are_never_done(mode: str) -> None:
+    """The digest bound the held ids as a set: params listing them in another order
+    passed, and the decode put the right blocks in the wrong places, DONE, then cached
+    them under the prompt's block hashes (a poisoned prefix). Params naming one twice
+    passed too; they are refused at once now."""
+    spec, db, prod, cons, go = _pair(mode)
+    with prod, cons:
+        lease = prod.hold("r", block_ids=[9, 10, 11], binding=b"p")
+        forged = [11, 10, 9]
+        t = go("r", prod.address, local_block_ids=[1, 2, 3], remote_block_ids=forged,
+               generation=prod.generation, hold_ticket=lease.ticket, hold_block_ids=forged,
+               hold_binding=b"p")  # fmt: skip
+        assert t.wait(20) is RequestState.FAILED, (t.state, t.error)
+        assert isinstance(t.error, HoldMismatchError), t.error
+        with pytest.raises(ConfigError, match=r"hold_block_ids repeats block ids"):
+            go("r", prod.address, local_block_ids=[1, 2, 3], remote_block_ids=[9, 10, 11],
+               generation=prod.generation, hold_ticket=lease.ticket,
+               hold_block_ids=[9, 9, 10, 11], hold_binding=b"p")  # fmt: skip
+
+
+def test_read_ids_out_of_the_held_order_are_refused_at_once() -> None:
+    _, _, prod, cons, _ = _pair("pull")
+    with prod, cons:
+        lease = prod.hold("r", block_ids=[9, 10, 11], binding=b"p")
+        with pytest.raises(ConfigError, match=r"not in the order of hold_block_ids"):
+            cons.read("r", prod.address, local_block_ids=[1, 2], remote_block_ids=[10, 9],
+                      hold_ticket=lease.ticket, hold_block_ids=[9, 10, 11], hold_binding=b"p")  # fmt: skip
+        with pytest.raises(ConfigError, match=r"hold_block_ids repeats block ids"):
+            cons.read("r", prod.address, local_block_ids=[1], remote_block_ids=[9],
+                      hold_ticket=lease.ticket, hold_block_ids=[9, 9], hold_binding=b"p")  # fmt: skip
+        with pytest.raises(ConfigError, match=r"hold_block_ids must be integers"):
+            cons.read("r", prod.address, local_block_ids=[1], remote_block_ids=[9],
+                      hold_ticket=lease.ticket, hold_block_ids=np.array([9.0, 10.0]),
+                      hold_binding=b"p")  # fmt: skip
+
+
+def test_a_slot_whose_digest_reads_as_zeros_binds_no_params() -> None:
+    """A fresh slot is zeros, and zeros meant "binds nothing": a check whose READ fetched
+    the digest before the producer's stores and the word after them (no read order on
+    RDMA) passed any params. Unbound holds write a marker of their own ticket now."""
+    from kvxfer.engine.holds import DIGEST, slot_of
+
+    spec, db, prod, cons, go = _pair("pull")
+    with prod, cons:
+        lease = prod.hold("r", block_ids=[9, 10], binding=b"p")
+        words = prod.ranks[0].words
+        words[slot_of(lease.ticket, len(words)), DIGEST] = 0  # the torn read's view
+        t = go("r2", prod.address, local_block_ids=[1, 2], remote_block_ids=[9, 10],
+               hold_ticket=lease.ticket, hold_block_ids=[9, 10], hold_binding=b"forged")  # fmt: skip
+        assert t.wait(20) is RequestState.FAILED, (t.state, t.error)
+        assert isinstance(t.error, HoldMismatchError), t.error
+
+
+def test_a_peer_dropped_while_a_check_waits_leaks_no_check_slot() -> None:
+    """A hold not started yet (vLLM hands out params first) makes the reader check again
+    1 ms later; a peer dropped meanwhile made that check take a landing slot, then fail
+    (KeyError) before the slot was recorded: it stayed in use for good (4,096 such
+    drops, and every ticketed load on the rank failed)."""
+    _, _, prod, cons, _ = _pair("pull")
+    with prod, cons:
+        cache = cons.ranks[0]
+        for k in range(3):
+            peer = cons.connect(prod.address)
+            t = cons.read(f"r{k}", prod.address, local_block_ids=[3, 4], remote_block_ids=[1, 2],
+                          hold_ticket=100 + k, hold_block_ids=[1, 2])  # fmt: skip
+            for _ in range(2000):  # until its first check said "not yet"
+                t.poll()
+                if t.check_after:
+                    break
+                time.sleep(0.001)
+            assert t.check_after, (t.state, t.error)
+            cons._drop_peer(peer)
+            time.sleep(0.005)
+            assert t.poll() is RequestState.PEER_LOST, t.error
+        assert cache.words_busy == {}
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_forged_request_that_gives_up_frees_nothing(mode: str) -> None:
+    """A forged request (the victim's request id, ticket and blocks, another prompt's
+    binding) that ends before its check (cancelled: its client went away; or its
+    deadline) sent an Abort the producer obeyed: the victim's hold was freed and its
+    genuine reader failed. Abort and LeaseRenew carry the params' digest now."""
+    spec, db, prod, cons, go = _pair(mode)
+    with prod, cons:
+        victim = prod.hold("victim", block_ids=VICTIM, binding=b"prompt-A")
+        cons.connect(prod.address)
+        t = go("victim", prod.address, local_block_ids=[2, 3], remote_block_ids=VICTIM,
+               generation=prod.generation, hold_ticket=victim.ticket, hold_block_ids=VICTIM,
+               hold_binding=b"prompt-B")  # fmt: skip
+        while not t.posted_at and not t.state.is_terminal:  # posted, not judged yet
+            t.poll()
+        assert t.cancel() is RequestState.ABORTED
+        time.sleep(0.5)  # the Abort is in; a freed hold would be reported here
+        assert prod.held_block_ids("victim") is not None
+        assert [rid for rid, _ in prod.pop_freed()] == []
+        t2 = go("victim", prod.address, local_block_ids=[4, 5], remote_block_ids=VICTIM,
+                generation=prod.generation, hold_ticket=victim.ticket,
+                hold_block_ids=VICTIM, hold_binding=b"prompt-A")  # fmt: skip
+        assert t2.wait(20) is RequestState.DONE, t2.error
+        assert mismatches(spec, db, spec, np.array([4, 5]), np.array(VICTIM)) == 0

@@ -161,12 +161,15 @@ def test_a_check_slot_in_use_is_never_handed_out_again(monkeypatch: pytest.Monke
 
 
 def test_hold_digest_binds_each_field() -> None:
-    from kvxfer.engine.holds import UNBOUND, hold_digest
+    from kvxfer.engine.holds import hold_digest, unbound_digest
 
-    base = hold_digest(b"k" * 16, 7, "req", [3, 1, 2], b"prompt")
-    assert len(base) == 16 and base != UNBOUND
-    assert hold_digest(b"k" * 16, 7, "req", [1, 2, 3, 3], b"prompt") == base  # a set
+    base = hold_digest(b"k" * 16, 7, "req", [1, 2, 3], b"prompt")
+    assert len(base) == 16 and base != bytes(16)
+    assert hold_digest(b"k" * 16, 7, "req", (1, 2, 3), b"prompt") == base
     for other in (
+        hold_digest(b"k" * 16, 7, "req", [3, 1, 2], b"prompt"),  # the order is bound
+        hold_digest(b"k" * 16, 7, "req", [1, 2, 3, 3], b"prompt"),
+        unbound_digest(b"k" * 16, 7),
         hold_digest(b"j" * 16, 7, "req", [1, 2, 3], b"prompt"),
         hold_digest(b"k" * 16, 8, "req", [1, 2, 3], b"prompt"),
         hold_digest(b"k" * 16, 7, "req2", [1, 2, 3], b"prompt"),

@@ -18,7 +18,13 @@ import numpy.typing as npt
 
 from kvxfer.engine.config import Buffer, EngineConfig, check_deadline
 from kvxfer.engine.contact import FirstContact
-from kvxfer.engine.holds import CHECK_SLOTS, MAX_BINDING_BYTES, check_ticket, hold_digest
+from kvxfer.engine.holds import (
+    CHECK_SLOTS,
+    MAX_BINDING_BYTES,
+    check_ticket,
+    hold_digest,
+    unbound_digest,
+)
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
@@ -285,10 +291,11 @@ class Consumer(FirstContact):
         )  # fmt: skip
         hold_ticket = 0 if hold[0] is None else check_ticket(hold[0])
         digest = self._hold_digest(request_id, hold_ticket, ids, *hold[1:])
+        unbound = unbound_digest(self.config.auth_key, hold_ticket) if hold_ticket else b""
         t = Transfer(
             request_id, self._context, self._peer(address), deadline, ids, chosen, op,
             generation=generation, lease_expires_at_ns=lease_expires_at_ns,
-            hold_ticket=hold_ticket, hold_digest=digest,
+            hold_ticket=hold_ticket, hold_digest=digest, unbound_digest=unbound,
         )  # fmt: skip
         self._inbox.add(t)  # close() aborts it; push notices find it by attempt
         return t
@@ -301,21 +308,42 @@ class Consumer(FirstContact):
         hold_block_ids: npt.ArrayLike | None,
         binding: bytes,
     ) -> bytes:
-        """The binding digest a ticketed request's hold must carry (b"": no ticket)."""
+        """The binding digest a ticketed request's hold must carry (b"": no ticket).
+
+        ``hold_block_ids``: the held list as the params carry it, in its order (default:
+        the remote ids read, then the remote state ids). The ids read (and, apart, the
+        state ids) must appear in it in the same order: reading the held blocks in
+        another order would put the right bytes in the wrong places.
+        """
         if not isinstance(binding, bytes) or len(binding) > MAX_BINDING_BYTES:
             raise ConfigError(f"hold_binding must be bytes, at most {MAX_BINDING_BYTES}")
         if not ticket:
             return b""
         named = [np.asarray(a) for a in (ids.remote, ids.remote_state) if a is not None]
+        if any(a.size and a.dtype.kind not in "iu" for a in named):
+            return b""  # ids that are not integers: the plan refuses them at post
+        named = [a.astype(np.int64) for a in named]
         held = np.concatenate(named) if hold_block_ids is None else np.asarray(hold_block_ids)
-        if any(a.dtype.kind not in "iu" for a in (*named, held)):
-            return bytes(16)  # ids that are not integers: the plan refuses them at post
-        stray = np.setdiff1d(np.concatenate(named), held)
-        if stray.size:
-            raise ConfigError(
-                f"request {request_id!r}: remote blocks {stray[:8].tolist()} are not in "
-                "hold_block_ids"
-            )
+        if held.size and held.dtype.kind not in "iu":
+            raise ConfigError(f"request {request_id!r}: hold_block_ids must be integers")
+        held = held.astype(np.int64).ravel()
+        order = np.argsort(held, kind="stable")
+        ranked = held[order]
+        if np.any(ranked[1:] == ranked[:-1]):
+            raise ConfigError(f"request {request_id!r}: hold_block_ids repeats block ids")
+        for a in named:
+            at = np.minimum(np.searchsorted(ranked, a), max(len(ranked) - 1, 0))
+            found = (at < len(ranked)) & (ranked[at] == a) if len(ranked) else a != a
+            if not np.all(found):
+                raise ConfigError(
+                    f"request {request_id!r}: remote blocks {a[~found][:8].tolist()} are "
+                    "not in hold_block_ids"
+                )
+            if np.any(np.diff(order[at]) <= 0):
+                raise ConfigError(
+                    f"request {request_id!r}: remote blocks {a[:8].tolist()} are not in the "
+                    "order of hold_block_ids"
+                )
         return hold_digest(self.config.auth_key, ticket, request_id, held, binding)
 
     def stats(self) -> EngineStats:

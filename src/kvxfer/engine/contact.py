@@ -8,6 +8,7 @@ owns :class:`PeerInfo` objects; the consumer supplies the attributes declared he
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -308,12 +309,19 @@ class FirstContact:
         peer's lists. Engine lock held."""
         peer.agents = dict(names)  # before loading: a failure below releases what was
         for rec in recs:
-            users = self._agent_users.setdefault(rec.agent_name, set())
-            first = not users
-            users.add(id(peer))
-            if first:
-                for cache in self.ranks.values():
-                    cache.backend.add_remote(rec.agent_metadata)
+            users = self._agent_users.get(rec.agent_name)
+            if not users:  # a user is counted only once every local rank has the agent
+                loaded = []
+                try:
+                    for cache in self.ranks.values():
+                        cache.backend.add_remote(rec.agent_metadata)
+                        loaded.append(cache)
+                except BaseException:
+                    for cache in loaded:
+                        with contextlib.suppress(KvxferError):
+                            cache.backend.remove_remote(rec.agent_name)
+                    raise
+            self._agent_users.setdefault(rec.agent_name, set()).add(id(peer))
 
     def _release_peer(self, peer: PeerInfo) -> None:
         """Release a peer's prepared lists, and each of its agents no other peer uses

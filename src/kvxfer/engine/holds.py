@@ -33,14 +33,17 @@ reader posts its check only after its data READ completed.
 pass through clients and proxies, and forged ones (a live ticket, another request's
 block ids) read that request's blocks with a passing check. So a slot is
 :data:`SLOT_BYTES` (32): the word, 8 reserved bytes, and a 16-byte **binding digest**
-(:func:`hold_digest`) of the ticket, the request id, the held block ids (as a set) and
+(:func:`hold_digest`) of the ticket, the request id, the held block ids (in order) and
 an opaque binding the caller gives (in vLLM: the prompt's hash), keyed with the
 deployment key (or none). The producer writes the digest before the held word; the
 reader computes the digest of the params it was given and reads the slot whole: a
 held word whose digest differs means the params were not the ones held
 (:func:`binding_matches`), and the request fails without telling the producer
-anything (its abort would free the genuine reader's hold). A hold that names no block
-ids publishes :data:`UNBOUND` and binds nothing (the check is by ticket alone).
+anything (its abort would free the genuine reader's hold). The ids are bound in their
+order (params that list the held blocks in another order would put the right bytes in
+the wrong places). A hold that names no block ids publishes its ticket's
+:func:`unbound_digest` and binds nothing (the check is by ticket alone); a slot's
+zeros never match anything.
 """
 
 from __future__ import annotations
@@ -61,7 +64,6 @@ __all__ = [
     "MAX_BINDING_BYTES",
     "SLOT_BYTES",
     "SLOT_WORDS",
-    "UNBOUND",
     "HoldVerdict",
     "TicketBook",
     "binding_matches",
@@ -69,6 +71,7 @@ __all__ = [
     "hold_digest",
     "released_word",
     "slot_of",
+    "unbound_digest",
     "verdict",
 ]
 
@@ -77,9 +80,14 @@ CHECK_SLOTS = 4096  # slots a consumer rank reads hold slots into (used round-ro
 SLOT_BYTES = HOLD_SLOT_BYTES  # a slot: [word, reserved, digest (2 words)]
 SLOT_WORDS = SLOT_BYTES // 8
 DIGEST = slice(2, 4)  # the digest's words in a slot
-UNBOUND = bytes(16)  # the digest of a hold that names no blocks: binds nothing
 MAX_BINDING_BYTES = 1024  # a hold's binding (vLLM's: a 64-digit hex prompt hash)
 _DIGEST_TAG = b"kvxfer.hold-binding/1\0"
+_UNBOUND_TAG = b"kvxfer.hold-unbound/1\0"
+
+
+def _hmac16(key: bytes | None, *parts: bytes) -> bytes:
+    d = hmac.new(key or b"", b"".join(parts), hashlib.sha256).digest()[:16]
+    return d if d != bytes(16) else b"\x01" + d[1:]  # never a fresh slot's zeros
 
 
 def hold_digest(
@@ -90,24 +98,30 @@ def hold_digest(
     binding: bytes = b"",
 ) -> bytes:
     """The 16-byte digest a hold's slot carries: HMAC-SHA256 (``key``, or the empty key)
-    of the ticket, the request id, the sorted distinct block ids (integers) and
-    ``binding``, each length-prefixed; never :data:`UNBOUND`."""
+    of the ticket, the request id, the block ids in their order (integers) and
+    ``binding``, each length-prefixed; never 16 zero bytes (a fresh slot)."""
     rid = request_id.encode("utf-8", "surrogatepass")
-    ids = np.unique(np.asarray(block_ids, dtype=np.int64).ravel())
-    msg = b"".join((
-        _DIGEST_TAG, int(ticket).to_bytes(8, "little"),
+    ids = np.asarray(block_ids, dtype=np.int64).ravel()
+    return _hmac16(
+        key, _DIGEST_TAG, int(ticket).to_bytes(8, "little"),
         len(rid).to_bytes(4, "little"), rid,
         len(binding).to_bytes(4, "little"), bytes(binding),
         len(ids).to_bytes(8, "little"), ids.astype("<i8").tobytes(),
-    ))  # fmt: skip
-    d = hmac.new(key or b"", msg, hashlib.sha256).digest()[:16]
-    return d if d != UNBOUND else b"\x01" + d[1:]
+    )  # fmt: skip
 
 
-def binding_matches(published: bytes, expected: bytes) -> bool:
+def unbound_digest(key: bytes | None, ticket: int) -> bytes:
+    """The digest of a hold of ``ticket`` that names no blocks (it binds nothing): a
+    marker of that ticket, so a slot read before any digest was written (zeros, or a
+    torn read of an older hold's) never passes as unbound."""
+    return _hmac16(key, _UNBOUND_TAG, int(ticket).to_bytes(8, "little"))
+
+
+def binding_matches(published: bytes, expected: bytes, unbound: bytes) -> bool:
     """Whether a held slot's digest lets a reader of ``expected`` report its bytes: equal
-    (constant time), or the hold binds nothing (:data:`UNBOUND`)."""
-    return published == UNBOUND or hmac.compare_digest(published, expected)
+    to it, or to the ticket's ``unbound`` marker (the hold binds nothing); constant time."""
+    ok = hmac.compare_digest(published, expected)
+    return hmac.compare_digest(published, unbound) or ok
 
 
 def held_word(ticket: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -13,12 +14,12 @@ from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
 from kvxfer.engine.holds import (
     DIGEST,
     MAX_BINDING_BYTES,
-    UNBOUND,
     TicketBook,
     held_word,
     hold_digest,
     released_word,
     slot_of,
+    unbound_digest,
 )
 from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
@@ -99,6 +100,7 @@ class Producer:
             self._tables = {r.rank: LeaseTable(config.lease_s) for r in self.ranks}
             self._book = TicketBook(config.hold_slots)  # hold tickets (kvxfer.engine.holds)
             self._tickets: dict[str, int] = {}  # held request -> its ticket
+            self._digests: dict[str, bytes] = {}  # held request -> its binding digest
             # (request, ticket) -> ticketed ReadDone/Abort notices that came before that
             # hold started: (rank, notice, monotonic arrival); applied when it starts
             self._early: dict[tuple[str, int], list[tuple[int, ReadDone | Abort, float]]] = {}
@@ -198,7 +200,8 @@ class Producer:
                 that cannot be used, or every hold slot in use (nothing is held then).
         """
         lease = self.config.lease_s if lease_s is None else check_seconds("lease_s", lease_s)
-        held = None if block_ids is None else frozenset(int(b) for b in block_ids)
+        ordered = None if block_ids is None else [int(b) for b in block_ids]
+        held = None if ordered is None else frozenset(ordered)
         if num_blocks is None:
             if held is None:
                 raise ConfigError("hold needs num_blocks or block_ids")
@@ -222,11 +225,13 @@ class Producer:
                 self._held_ids[request_id] = held
             self._tickets[request_id] = ticket
             slot = slot_of(ticket, self._book.num_slots)
-            digest = np.frombuffer(
-                UNBOUND if held is None else hold_digest(
-                    self.config.auth_key, ticket, request_id, sorted(held), binding
-                ), np.uint64,
-            )  # fmt: skip
+            if ordered is None:  # binds nothing
+                bound = unbound_digest(self.config.auth_key, ticket)
+            else:
+                bound = self._digests[request_id] = hold_digest(
+                    self.config.auth_key, ticket, request_id, ordered, binding
+                )
+            digest = np.frombuffer(bound, np.uint64)
             for r in self.ranks:
                 r.words[slot, DIGEST] = digest  # before the word: a reader judges both
                 r.words[slot, 0] = held_word(ticket)
@@ -242,8 +247,21 @@ class Producer:
             # with ``now``: a read that overtook its hold counts when the hold comes
             table.ack(msg.request_id, msg.consumer_rank,
                       max(1, msg.consumer_size // self._tp_size), now)  # fmt: skip
-        else:
+        elif self._bound_to(msg.request_id, msg.ticket, msg.digest):
             table.abort(msg.request_id)
+
+    def _bound_to(self, request_id: str, ticket: int, digest: bytes) -> bool:
+        """Whether a ticketed Abort or LeaseRenew may act on ``request_id``'s hold: it
+        binds nothing, or the notice names the digest of the params it was made for (an
+        abort from a forged request, which ends before its hold check or by cancel,
+        would free the genuine reader's blocks). Lock held."""
+        bound = self._digests.get(request_id)
+        if not ticket or bound is None or hmac.compare_digest(bound, digest):
+            return True
+        self.num_rejected += 1
+        log.info("request %r: notice for hold %d with other params' digest ignored",
+                 request_id, ticket)  # fmt: skip
+        return False
 
     def _remember_early(self, rank: int, msg: ReadDone | Abort, now: float) -> None:
         """Keep a ticketed notice for a hold that is not (yet) held, bounded (lock held):
@@ -266,6 +284,7 @@ class Producer:
         """The hold ended: say so in its slot (before the caller may reuse the blocks) and
         give the slot back (lock held)."""
         ticket = self._tickets.pop(request_id, None)
+        self._digests.pop(request_id, None)
         if ticket is None:
             return
         slot = slot_of(ticket, self._book.num_slots)
@@ -397,7 +416,10 @@ class Producer:
             if isinstance(msg, ReadDone):
                 self._apply(rank, msg, now)
             elif isinstance(msg, Abort | Failed):
-                table.abort(msg.request_id)
+                if isinstance(msg, Failed) or self._bound_to(
+                    msg.request_id, msg.ticket, msg.digest
+                ):
+                    table.abort(msg.request_id)
                 self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
             elif isinstance(msg, PushRequest):
                 self._push_until = now + PUSH_ACTIVE_S
@@ -412,7 +434,9 @@ class Producer:
                     if ticket and self._tickets.get(rid) != ticket:
                         self.num_rejected += 1  # a renew of an ended hold of this id
                         continue
-                    table.renew(rid, now, lease)
+                    digest = msg.digests[i] if i < len(msg.digests) else b""
+                    if self._bound_to(rid, ticket, digest):
+                        table.renew(rid, now, lease)
             elif isinstance(msg, Heartbeat):
                 if msg.consumer_address:  # a consumer that will push: contact it now
                     self._pusher.precontact(msg.consumer_address, msg.consumer_generation)

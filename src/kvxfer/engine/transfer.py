@@ -127,6 +127,7 @@ class Transfer(RequestEnd):
     lease_expires_at_ns: int | None = None  # pull: the producer's lease end (its wall clock)
     hold_ticket: int = 0  # the hold's ticket, checked after the READ / WRITEs (0: none)
     hold_digest: bytes = b""  # the binding digest of these params (kvxfer.engine.holds)
+    unbound_digest: bytes = b""  # the ticket's marker of a hold that binds nothing
     rechecked_binding: bool = False  # a digest that differed was read once more
     read_pairs: list[tuple[int, int]] = field(default_factory=list)  # (local, remote rank)
     checks: list[tuple[int, int, int]] = field(default_factory=list)  # (local, remote, word)
@@ -266,12 +267,21 @@ class Transfer(RequestEnd):
         ctx, peer = self.context, self.peer
         for d, r in self.read_pairs:
             cache = ctx.ranks[d]
+            table = peer.hold_lists.get((d, r))
+            if table is None:  # dropped while this check waited (a hold not started yet)
+                raise PeerLostError(
+                    f"request {self.request_id!r}: {peer.address} was dropped before its hold check"
+                )
             _, slots = peer.holds[r]
             i = cache.next_word()
-            x = cache.backend.make_xfer(
-                XferOp.READ, cache.words_list_ready(), np.array([i], np.int32),
-                peer.hold_lists[(d, r)], np.array([slot_of(self.hold_ticket, slots)], np.int32),
-            )  # fmt: skip
+            try:
+                x = cache.backend.make_xfer(
+                    XferOp.READ, cache.words_list_ready(), np.array([i], np.int32),
+                    table, np.array([slot_of(self.hold_ticket, slots)], np.int32),
+                )  # fmt: skip
+            except BaseException:
+                cache.free_word(i)  # nothing was posted into it
+                raise
             self.xfers.append((d, x))
             self.checks.append((d, r, i))
             self.num_checks += 1
@@ -288,7 +298,7 @@ class Transfer(RequestEnd):
             ctx.ranks[d].free_word(i)
             words.append((r, word))
             if verdict(word, ticket) is HoldVerdict.HELD and not binding_matches(
-                digest, self.hold_digest
+                digest, self.hold_digest, self.unbound_digest
             ):
                 strangers.append(r)
         self.checks = []
@@ -362,10 +372,11 @@ class Transfer(RequestEnd):
         self.renewed_at = now
         budget_ms = self._budget_ms()
         tickets = (self.hold_ticket,) if self.hold_ticket else ()
+        digests = (self.hold_digest,) if self.hold_ticket else ()
         for rank, agent in self.peer.agents.items():
             gen = self.peer.generations[rank]
             msg = encode_msg(
-                LeaseRenew((self.request_id,), gen, (self.attempt,), budget_ms, tickets)
+                LeaseRenew((self.request_id,), gen, (self.attempt,), budget_ms, tickets, digests)
             )
             for d in self.ranks:
                 ctx.ranks[d].backend.send_notif(agent, msg)
@@ -504,9 +515,11 @@ class Transfer(RequestEnd):
         if self.posted_at and self.peer.agents:  # tell every producer rank it may free the blocks
             for rank, agent in self.peer.agents.items():
                 gen = self.peer.generations[rank]
-                msg = encode_msg(
-                    Abort(self.request_id, gen, self.state.value, self.attempt, self.hold_ticket)
-                )
+                abort = Abort(
+                    self.request_id, gen, self.state.value, self.attempt, self.hold_ticket,
+                    self.hold_digest,
+                )  # fmt: skip
+                msg = encode_msg(abort)
                 for d in self.ranks:
                     try:
                         ctx.ranks[d].backend.send_notif(agent, msg)

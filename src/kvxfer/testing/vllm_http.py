@@ -151,11 +151,13 @@ def run_http(a: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
                 "elapsed_s": round(time.perf_counter() - t, 3),
             })  # fmt: skip
         # negative control: prompt A decoded (directly on D) with the KV of A from the
-        # server of other weights: right shapes, every check passes, other numbers
-        a_prompt = prompts[-1]
+        # server of other weights: right shapes, every check passes, other numbers. A is
+        # new to D (a prefix D has cached would be served from its own KV)
+        a_prompt = [(t * 7 + 3) % 1000 + 3 for t in prompts[-1]] + [11] * 32
+        a_ref = completion(p_url, a.model, a_prompt, max_tokens)["choices"][0]["token_ids"]
         o_params = completion(o_url, other, a_prompt, 1, {"do_remote_decode": True})
         neg = completion(d_url, a.model, a_prompt, max_tokens, o_params["kv_transfer_params"])
-        negative = {"tokens": neg["choices"][0].get("token_ids"), "ref": records[-1]["ref"],
+        negative = {"tokens": neg["choices"][0].get("token_ids"), "ref": a_ref,
                     "finish_reason": neg["choices"][0].get("finish_reason")}  # fmt: skip
         auth = side_channel_refusals(o_params["kv_transfer_params"]["kvxfer"]["address"])
         metrics = _metrics_after(p_url, d_url, a.model, len(records))

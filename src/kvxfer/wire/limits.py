@@ -67,6 +67,7 @@ BudgetMs = Annotated[int, Meta(ge=0, le=MAX_BUDGET_MS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
 HashStr = Annotated[str, Meta(max_length=MAX_HASH_LEN)]
 RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LEN)]
+HoldDigest = Annotated[bytes, Meta(max_length=16)]  # kvxfer.engine.holds; b"": none
 Reason = Annotated[str, Meta(max_length=MAX_REASON_LEN)]
 
 

@@ -20,6 +20,7 @@ from kvxfer.wire.limits import (
     U64,
     BudgetMs,
     HashStr,
+    HoldDigest,
     Name,
     Reason,
     RequestId,
@@ -81,6 +82,9 @@ class Abort(_Msg, frozen=True, tag="ab"):
     reason: Reason = ""
     attempt: U64 = 0
     ticket: U64 = 0  # the hold it gave up on; 0: none named
+    # the binding digest of the params it read with (kvxfer.engine.holds): a producer
+    # ignores an abort of a bound hold made for other params (a forger's would free it)
+    digest: HoldDigest = b""
 
 
 class Failed(_Msg, frozen=True, tag="fl"):
@@ -103,6 +107,9 @@ class LeaseRenew(_Msg, frozen=True, tag="lr"):
     # per request id: the hold it renews (0: none named); a renew naming another hold of
     # the id (one that ended; the id was held again since) extends nothing
     tickets: Annotated[tuple[U64, ...], Meta(max_length=MAX_LEASE_IDS)] = ()
+    # per request id: the binding digest of its params (as in Abort); a renew of a bound
+    # hold made for other params extends nothing
+    digests: Annotated[tuple[HoldDigest, ...], Meta(max_length=MAX_LEASE_IDS)] = ()
 
 
 class Heartbeat(_Msg, frozen=True, tag="hb"):
