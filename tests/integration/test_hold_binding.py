@@ -213,3 +213,43 @@ def test_a_forged_request_that_gives_up_frees_nothing(mode: str) -> None:
                 hold_block_ids=VICTIM, hold_binding=b"prompt-A")  # fmt: skip
         assert t2.wait(20) is RequestState.DONE, t2.error
         assert mismatches(spec, db, spec, np.array([4, 5]), np.array(VICTIM)) == 0
+
+
+def test_a_bound_hold_obeys_no_unticketed_notice_and_refuses_an_unticketed_push() -> None:
+    """A hold made with a binding (vLLM's always are) is the params' alone: an
+    unticketed read's ReadDone, an unticketed abort or renew, freed or extended it, and
+    an unticketed push wrote from it (the binding bypassed by leaving the ticket out)."""
+    spec, db, prod, cons, _ = _pair("pull")
+    with prod, cons:
+        prod.hold("victim", block_ids=VICTIM, binding=b"prompt-A")
+        t = cons.read("victim", prod.address, local_block_ids=[2, 3], remote_block_ids=VICTIM)
+        t.wait(20)  # a one-sided READ without a ticket cannot be checked: documented
+        p = cons.push("victim", prod.address, local_block_ids=[4, 5], remote_block_ids=VICTIM)
+        assert p.wait(20) is RequestState.FAILED, (p.state, p.error)
+        assert "names no hold ticket" in str(p.error)
+        time.sleep(0.3)
+        assert prod.held_block_ids("victim") is not None  # not freed by either
+        assert [rid for rid, _ in prod.pop_freed()] == []
+
+
+def test_a_ticketed_read_of_nothing_frees_no_hold() -> None:
+    """Nothing to read: no hold check, and its ReadDone (to every rank it notifies) freed
+    the hold whatever params it named. ReadDone carries the params' digest now."""
+    _, _, prod, cons, go = _pair("pull")
+    with prod, cons:
+        victim = prod.hold("victim", block_ids=VICTIM, binding=b"prompt-A")
+        t = go("victim", prod.address, local_block_ids=[], remote_block_ids=[],
+               hold_ticket=victim.ticket, hold_block_ids=VICTIM, hold_binding=b"forger")  # fmt: skip
+        t.wait(20)
+        time.sleep(0.3)
+        assert prod.held_block_ids("victim") is not None
+        assert [rid for rid, _ in prod.pop_freed()] == []
+
+
+def test_a_block_id_past_int64_is_refused_and_nothing_is_held() -> None:
+    _, _, prod, cons, _ = _pair("pull")
+    with prod, cons:
+        with pytest.raises(ConfigError, match="must fit int64"):
+            prod.hold("r", block_ids=[2**63], binding=b"p")
+        assert prod.num_held == 0
+        assert prod.hold("r", block_ids=[1], binding=b"p").ticket > 0  # the id is free

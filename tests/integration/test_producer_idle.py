@@ -12,6 +12,7 @@ import pytest
 
 from kvxfer.engine import producer as producer_mod
 from kvxfer.engine.config import EngineConfig, allocate_cache
+from kvxfer.engine.holds import hold_digest
 from kvxfer.engine.leases import FreeReason
 from kvxfer.engine.producer import Producer
 from kvxfer.layout.presets import spec_for
@@ -94,8 +95,10 @@ def test_ticketed_notices_that_overtook_their_hold_count_when_it_starts() -> Non
     with Producer(EngineConfig("early", model_name="tiny-gqa", lease_s=60.0),
                   [(spec, allocate_cache(spec))], backend_factory=MemoryBackend) as prod:  # fmt: skip
         g = prod.generation
-        prod._on_msg(0, "d", encode_msg(Abort("gone", g, "client left", 1, ticket=1000)), [])
-        prod._on_msg(0, "d", encode_msg(ReadDone("hit", g, 0, 1, 1, ticket=1001)), [])
+        gone = hold_digest(None, 1000, "gone", [1])  # the params' digest the decode sends
+        hit = hold_digest(None, 1001, "hit", [2])
+        prod._on_msg(0, "d", encode_msg(Abort("gone", g, "client left", 1, 1000, gone)), [])
+        prod._on_msg(0, "d", encode_msg(ReadDone("hit", g, 0, 1, 1, 1001, hit)), [])
         prod._on_msg(0, "d", encode_msg(Abort("kept", g, "of another hold", 1, ticket=7)), [])
         prod.hold("gone", block_ids=[1], ticket=1000)
         prod.hold("hit", block_ids=[2], ticket=1001)

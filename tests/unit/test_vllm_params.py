@@ -448,3 +448,18 @@ def test_hold_slots_config_is_a_bounded_integer() -> None:
     for bad in (0, -1, 1 << 25, 2.5, True, "many"):
         with pytest.raises(ConfigError, match="hold_slots must be an integer"):
             hold_slots(bad)
+
+
+def test_forged_params_re_stamped_with_another_prompt_do_not_take_the_genuine_claim() -> None:
+    """A forger re-stamps a request's params with its own prompt's hash and reaches the
+    decode engine first: its load fails the hold binding, but it had claimed the params,
+    and the genuine request then computed its prompt ("already took it"). The claim
+    names the prompt now."""
+    s = _decode_side()
+    params = compose_params(REMOTE)
+    forger = [*PROMPT[:-1], 7]
+    forged = json.loads(json.dumps(params))
+    forged["kvxfer"]["prompt_hash"] = prompt_hash(forger)
+    assert s.matched_tokens("forger", forger, forged, 0) == (70, True)
+    s.after_alloc("forger", list(range(5)), 70)
+    assert s.matched_tokens("genuine", PROMPT, params, 0) == (70, True)

@@ -100,7 +100,8 @@ class Producer:
             self._tables = {r.rank: LeaseTable(config.lease_s) for r in self.ranks}
             self._book = TicketBook(config.hold_slots)  # hold tickets (kvxfer.engine.holds)
             self._tickets: dict[str, int] = {}  # held request -> its ticket
-            self._digests: dict[str, bytes] = {}  # held request -> its binding digest
+            # held request -> (its binding digest, whether made with a binding)
+            self._digests: dict[str, tuple[bytes, bool]] = {}
             # (request, ticket) -> ticketed ReadDone/Abort notices that came before that
             # hold started: (rank, notice, monotonic arrival); applied when it starts
             self._early: dict[tuple[str, int], list[tuple[int, ReadDone | Abort, float]]] = {}
@@ -119,6 +120,7 @@ class Producer:
                 config.handshake_timeout_s,
                 self._on_written,
                 held_ids=self.held_block_ids,
+                is_bound=self.is_bound,
                 strided=config.strided,
                 run_blocks=config.run_blocks,
                 auth_key=config.auth_key,
@@ -202,6 +204,10 @@ class Producer:
         lease = self.config.lease_s if lease_s is None else check_seconds("lease_s", lease_s)
         ordered = None if block_ids is None else [int(b) for b in block_ids]
         held = None if ordered is None else frozenset(ordered)
+        try:  # before any bookkeeping: an id past int64 is refused, nothing held
+            ids = None if ordered is None else np.asarray(ordered, dtype=np.int64)
+        except OverflowError:
+            raise ConfigError(f"block_ids of {request_id!r} must fit int64") from None
         if num_blocks is None:
             if held is None:
                 raise ConfigError("hold needs num_blocks or block_ids")
@@ -225,12 +231,11 @@ class Producer:
                 self._held_ids[request_id] = held
             self._tickets[request_id] = ticket
             slot = slot_of(ticket, self._book.num_slots)
-            if ordered is None:  # binds nothing
+            if ids is None:  # binds nothing
                 bound = unbound_digest(self.config.auth_key, ticket)
             else:
-                bound = self._digests[request_id] = hold_digest(
-                    self.config.auth_key, ticket, request_id, ordered, binding
-                )
+                bound = hold_digest(self.config.auth_key, ticket, request_id, ids, binding)
+                self._digests[request_id] = (bound, bool(binding))
             digest = np.frombuffer(bound, np.uint64)
             for r in self.ranks:
                 r.words[slot, DIGEST] = digest  # before the word: a reader judges both
@@ -243,25 +248,39 @@ class Producer:
     def _apply(self, rank: int, msg: ReadDone | Abort, now: float) -> None:
         """A ReadDone or Abort for a request held now, on ``rank`` (lock held)."""
         table = self._tables[rank]
+        if not self._bound_to(msg.request_id, msg.ticket, msg.digest):
+            return
         if isinstance(msg, ReadDone):
             # with ``now``: a read that overtook its hold counts when the hold comes
             table.ack(msg.request_id, msg.consumer_rank,
                       max(1, msg.consumer_size // self._tp_size), now)  # fmt: skip
-        elif self._bound_to(msg.request_id, msg.ticket, msg.digest):
+        else:
             table.abort(msg.request_id)
 
     def _bound_to(self, request_id: str, ticket: int, digest: bytes) -> bool:
-        """Whether a ticketed Abort or LeaseRenew may act on ``request_id``'s hold: it
-        binds nothing, or the notice names the digest of the params it was made for (an
-        abort from a forged request, which ends before its hold check or by cancel,
-        would free the genuine reader's blocks). Lock held."""
-        bound = self._digests.get(request_id)
-        if not ticket or bound is None or hmac.compare_digest(bound, digest):
+        """Whether a ReadDone, Abort or LeaseRenew may act on ``request_id``'s hold: the
+        hold names no blocks; or the notice names its ticket and the digest of the params
+        it was made for; or, unticketed, the hold was made without a ``binding`` (an
+        engine caller's own bookkeeping). A forged request's notice (its check failed, or
+        it was cancelled or timed out before it) would free or pin the genuine reader's
+        blocks. Lock held."""
+        entry = self._digests.get(request_id)
+        if entry is None:
+            return True
+        bound, strict = entry
+        if (ticket and hmac.compare_digest(bound, digest)) or (not ticket and not strict):
             return True
         self.num_rejected += 1
-        log.info("request %r: notice for hold %d with other params' digest ignored",
+        log.info("request %r: notice for hold %d not made with its params: ignored",
                  request_id, ticket)  # fmt: skip
         return False
+
+    def is_bound(self, request_id: str) -> bool:
+        """Whether ``request_id``'s hold was made with a ``binding``: only ticketed
+        requests with its params may read, push, free or renew it."""
+        with self._lock:
+            entry = self._digests.get(request_id)
+            return entry is not None and entry[1]
 
     def _remember_early(self, rank: int, msg: ReadDone | Abort, now: float) -> None:
         """Keep a ticketed notice for a hold that is not (yet) held, bounded (lock held):
@@ -415,11 +434,11 @@ class Producer:
                 return
             if isinstance(msg, ReadDone):
                 self._apply(rank, msg, now)
-            elif isinstance(msg, Abort | Failed):
-                if isinstance(msg, Failed) or self._bound_to(
-                    msg.request_id, msg.ticket, msg.digest
-                ):
-                    table.abort(msg.request_id)
+            elif isinstance(msg, Abort):
+                self._apply(rank, msg, now)
+                self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
+            elif isinstance(msg, Failed):
+                table.abort(msg.request_id)
                 self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
             elif isinstance(msg, PushRequest):
                 self._push_until = now + PUSH_ACTIVE_S

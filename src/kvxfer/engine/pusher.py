@@ -96,6 +96,7 @@ class PushWorker:
         auth_key: bytes | None = None,
         held_ids: Callable[[str], frozenset[int] | None] = lambda _: None,
         facts: ModelFacts | None = None,
+        is_bound: Callable[[str], bool] = lambda _: False,
     ) -> None:
         self._auth_key = auth_key
         self._facts = facts  # this engine's model facts: a mismatch names what differs
@@ -105,6 +106,7 @@ class PushWorker:
         self._timeout_s = timeout_s
         self._on_written = on_written
         self._held_ids = held_ids
+        self._is_bound = is_bound
         self._strided = strided
         self._run_blocks = run_blocks
         self._jobs: queue.Queue[_Cmd] = queue.Queue()
@@ -363,6 +365,11 @@ class PushWorker:
             )
         if req.ticket:
             self._check_hold(rank, req)
+        elif self._is_bound(req.request_id):
+            raise TransferError(
+                f"push {req.request_id!r} names no hold ticket, but its hold is bound to its "
+                "params (kvxfer.engine.holds): nothing was written"
+            )
         held = self._held_ids(req.request_id)
         if held is not None and not held.issuperset(req.remote_block_ids):
             stray = sorted(set(req.remote_block_ids) - held)[:8]

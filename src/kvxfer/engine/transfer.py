@@ -128,7 +128,7 @@ class Transfer(RequestEnd):
     hold_ticket: int = 0  # the hold's ticket, checked after the READ / WRITEs (0: none)
     hold_digest: bytes = b""  # the binding digest of these params (kvxfer.engine.holds)
     unbound_digest: bytes = b""  # the ticket's marker of a hold that binds nothing
-    rechecked_binding: bool = False  # a digest that differed was read once more
+    binding_rechecks: int = 0  # checks read again after a digest that differed
     read_pairs: list[tuple[int, int]] = field(default_factory=list)  # (local, remote rank)
     checks: list[tuple[int, int, int]] = field(default_factory=list)  # (local, remote, word)
     check_after: float = 0.0  # monotonic: a hold not started yet is checked again then
@@ -302,11 +302,11 @@ class Transfer(RequestEnd):
             ):
                 strangers.append(r)
         self.checks = []
-        if strangers and not self.rechecked_binding:
-            # once more before failing: a check that raced the hold's start can see its
-            # new word beside the slot's previous digest (a false failure, never a
-            # false DONE; the producer writes the digest first)
-            self.rechecked_binding = True
+        if strangers and self.binding_rechecks < len(self.read_pairs):
+            # again before failing (once per rank read, at most): a check that raced the
+            # hold's start can see its new word beside the slot's previous digest (a
+            # false failure, never a false DONE; the producer writes the digest first)
+            self.binding_rechecks += 1
             self.check_after = time.monotonic() + CHECK_AGAIN_S
             return
         if strangers:
@@ -338,8 +338,9 @@ class Transfer(RequestEnd):
         for d, r in pairs:
             size = ctx.ranks[d].spec.tp_size
             done = ReadDone(
-                self.request_id, peer.generations[r], d, size, self.attempt, self.hold_ticket
-            )
+                self.request_id, peer.generations[r], d, size, self.attempt, self.hold_ticket,
+                self.hold_digest,
+            )  # fmt: skip
             ctx.ranks[d].backend.send_notif(peer.agents[r], encode_msg(done))
 
     def _where(self) -> str:

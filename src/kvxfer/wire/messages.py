@@ -59,6 +59,7 @@ class ReadDone(_Msg, frozen=True, tag="rd"):
     consumer_size: SmallInt
     attempt: U64 = 0
     ticket: U64 = 0  # the hold it read (kvxfer.engine.holds); 0: none named
+    digest: HoldDigest = b""  # the params' binding digest (as in Abort)
 
     def __post_init__(self) -> None:
         _check_rank("consumer", self.consumer_rank, self.consumer_size)

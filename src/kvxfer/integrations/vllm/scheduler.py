@@ -100,7 +100,7 @@ class _Pending:
     num_local_tokens: int
 
 
-_ClaimKey = tuple[str, str, tuple[int, ...]]  # prefill engine, its request id, generations
+_ClaimKey = tuple[str, str, tuple[int, ...], str]  # prefill engine, request id, generations, prompt
 MAX_CLAIMS = 1 << 17  # claims kept at once (each ends with its lease)
 
 
@@ -112,7 +112,9 @@ class _Claim:
 
 
 def _claim_key(remote: RemotePrefill) -> _ClaimKey:
-    return remote.engine_id, remote.request_id, remote.generations
+    # with the prompt: params re-stamped with a forger's prompt hash (refused by the
+    # hold binding) must not take the genuine request's claim on this engine
+    return remote.engine_id, remote.request_id, remote.generations, remote.prompt_hash
 
 
 class SchedulerSide:
