@@ -253,3 +253,21 @@ def test_a_block_id_past_int64_is_refused_and_nothing_is_held() -> None:
             prod.hold("r", block_ids=[2**63], binding=b"p")
         assert prod.num_held == 0
         assert prod.hold("r", block_ids=[1], binding=b"p").ticket > 0  # the id is free
+
+
+@pytest.mark.parametrize("ticketed", [True, False])
+def test_requests_of_a_dropped_peer_end_peer_lost(ticketed: bool) -> None:
+    """A peer dropped while a request was about to post (a restart another request's
+    recheck found) released its lists; the request then failed with a misleading
+    error ("publishes no hold table (an older kvxfer?)", or an internal KeyError)."""
+    _, _, prod, cons, _ = _pair("pull")
+    with prod, cons:
+        cons.connect(prod.address)
+        lease = prod.hold("r", block_ids=[1, 2])
+        with cons._engine_lock:
+            t = cons.read("r", prod.address, local_block_ids=[3, 4], remote_block_ids=[1, 2],
+                          generation=prod.generation,
+                          hold_ticket=lease.ticket if ticketed else None)  # fmt: skip
+            cons._drop_peer(t.peer)  # as _recheck does for another request
+        assert t.wait(10) is RequestState.PEER_LOST, (t.state, t.error)
+        assert "dropped" in str(t.error)

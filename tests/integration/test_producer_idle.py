@@ -17,7 +17,7 @@ from kvxfer.engine.leases import FreeReason
 from kvxfer.engine.producer import Producer
 from kvxfer.layout.presets import spec_for
 from kvxfer.testing import MemoryBackend
-from kvxfer.wire import Abort, PushRequest, ReadDone, encode_msg
+from kvxfer.wire import Abort, Failed, PushRequest, ReadDone, encode_msg
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,3 +126,37 @@ def test_early_notices_are_bounded_and_expire_from_their_first_arrival() -> None
             prod._remember_early(0, Abort("other", g, "", 1, ticket=6), t0 + 20.5)
             assert ("flood", 5) not in prod._early  # its first notice came 20.5 s ago
             assert ("other", 6) in prod._early
+
+
+def test_a_bound_hold_counts_no_unticketed_early_read_and_ignores_failed() -> None:
+    """A hold made with a binding is freed only by notices of its params: an unticketed
+    ReadDone that came before it (kept by the lease table as an early ack) freed it as
+    it started, and a Failed (which producers send, never receive) freed any hold."""
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+    with Producer(EngineConfig("early", model_name="tiny-gqa", lease_s=60.0),
+                  [(spec, allocate_cache(spec))], backend_factory=MemoryBackend) as prod:  # fmt: skip
+        g = prod.generation
+        prod._on_msg(0, "x", encode_msg(ReadDone("victim", g, 0, 1, 1)), [])
+        prod.hold("victim", block_ids=[1, 2], binding=b"prompt")
+        prod.hold("v2", block_ids=[3], binding=b"prompt")
+        prod._on_msg(0, "x", encode_msg(Failed("v2", g, "forged", 1)), [])
+        assert not prod.wait_freed(0.5)
+        assert prod.pop_freed() == []
+        assert prod.held_block_ids("victim") and prod.held_block_ids("v2")
+
+
+def test_early_notices_of_one_hold_keep_the_newest() -> None:
+    """Past 64 notices for one hold not started yet, the newest were dropped: forged
+    aborts ahead of it pushed the genuine decode's ReadDone out, and the hold stayed
+    pinned for its lease."""
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+    with Producer(EngineConfig("early", model_name="tiny-gqa", lease_s=60.0),
+                  [(spec, allocate_cache(spec))], backend_factory=MemoryBackend) as prod:  # fmt: skip
+        g = prod.generation
+        for i in range(producer_mod.MAX_NOTICES_PER_HOLD):
+            prod._on_msg(0, "x", encode_msg(Abort("victim", g, "", i + 1, 500, b"\x01" * 16)), [])
+        good = hold_digest(None, 500, "victim", [1], b"prompt")
+        prod._on_msg(0, "x", encode_msg(ReadDone("victim", g, 0, 1, 99, 500, good)), [])
+        prod.hold("victim", block_ids=[1], binding=b"prompt", ticket=500)
+        assert prod.wait_freed(2)
+        assert prod.pop_freed() == [("victim", FreeReason.READ)]

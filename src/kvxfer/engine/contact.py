@@ -385,6 +385,8 @@ class FirstContact:
                 del self._peers[peer.address]
                 self._monitor.forget(peer.address)
                 watched = self._watched.get(peer.address)
+            if peer.error is None:  # requests still naming it end PEER_LOST, saying why
+                peer.error = PeerLostError(f"{peer.address}: dropped (restarted or lost)")
             self._release_peer(peer)
         if watched is not None and not self._closed:
             log.info("preconnect: %s dropped; contacting it again", peer.address)

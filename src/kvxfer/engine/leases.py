@@ -106,9 +106,16 @@ class LeaseTable:
             heapq.heapify(self._heap)
 
     def hold(
-        self, request_id: str, num_blocks: int, now: float, lease_s: float | None = None
+        self,
+        request_id: str,
+        num_blocks: int,
+        now: float,
+        lease_s: float | None = None,
+        *,
+        early: bool = True,
     ) -> None:
-        """Start holding ``num_blocks`` blocks for ``request_id`` until ``now + lease_s``."""
+        """Start holding ``num_blocks`` blocks for ``request_id`` until ``now + lease_s``
+        (``early``: count the acks that came before it; False drops them)."""
         if request_id in self._entries:
             raise ConfigError(f"request {request_id!r} is already held")
         if num_blocks < 0:
@@ -120,9 +127,9 @@ class LeaseTable:
         )
         self._entries[request_id] = _Entry(num_blocks, expires)
         self._push(request_id, expires)
-        early = self._early.pop(request_id, None)
-        if early is not None and now - early[2] <= self.early_ack_s:
-            ranks, expected, _ = early
+        acks = self._early.pop(request_id, None)
+        if early and acks is not None and now - acks[2] <= self.early_ack_s:
+            ranks, expected, _ = acks
             self._entries[request_id].acked |= ranks
             if len(ranks) >= max(1, expected):
                 self._release(request_id, FreeReason.READ)

@@ -224,8 +224,8 @@ class Producer:
                 ticket = self._book.take()
             else:
                 self._book.claim(ticket)
-            for t in self._tables.values():
-                t.hold(request_id, num_blocks, now, lease)
+            for t in self._tables.values():  # a bound hold counts no unticketed early ack
+                t.hold(request_id, num_blocks, now, lease, early=not binding)
             self._pending_free[request_id] = set()
             if held is not None:
                 self._held_ids[request_id] = held
@@ -288,8 +288,9 @@ class Producer:
         ``EARLY_NOTICE_S`` after the first notice for that hold came (holds are kept in
         that order, so the expired ones are at the front: no scan of the rest)."""
         notices = self._early.setdefault((msg.request_id, msg.ticket), [])
-        if len(notices) < MAX_NOTICES_PER_HOLD:
-            notices.append((rank, msg, now))
+        notices.append((rank, msg, now))
+        if len(notices) > MAX_NOTICES_PER_HOLD:  # the newest are kept: (its first one's
+            del notices[1]  # time, at [0], dates the entry; a flood ends with the genuine)
         while self._early:
             first = next(iter(self._early))
             if (
@@ -437,9 +438,8 @@ class Producer:
             elif isinstance(msg, Abort):
                 self._apply(rank, msg, now)
                 self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
-            elif isinstance(msg, Failed):
-                table.abort(msg.request_id)
-                self._pusher.cancel(rank, agent, msg.request_id, msg.attempt)
+            elif isinstance(msg, Failed):  # producers send it, to consumers only
+                self.num_rejected += 1
             elif isinstance(msg, PushRequest):
                 self._push_until = now + PUSH_ACTIVE_S
                 # the local deadline: the relative budget bounds it; time the message
@@ -465,8 +465,11 @@ class Producer:
     def _on_written(
         self, request_id: str, rank: int, consumer_rank: int, consumer_size: int
     ) -> None:
-        """A push WRITE completed: it counts as that consumer rank's read."""
+        """A push WRITE completed: it counts as that consumer rank's read (unticketed:
+        not for a hold made with a binding, which may have started during the WRITE)."""
         with self._lock:
+            if not self._bound_to(request_id, 0, b""):
+                return
             expected = max(1, consumer_size // self._tp_size)
             self._tables[rank].ack(request_id, consumer_rank, expected)
 
