@@ -171,3 +171,71 @@ def test_a_refused_heartbeat_counts_as_a_miss_not_a_verdict(
             assert verdicts == []  # was: "heartbeat refused: unauthorized ..." at once
         finally:
             mon.close()
+
+
+class _Handle:
+    """A stand-in WRITE handle that records its release, or raises from it."""
+
+    def __init__(self, raises: bool = False) -> None:
+        self.released = 0
+        self.raises = raises
+
+    def release(self) -> None:
+        self.released += 1
+        if self.raises:
+            from kvxfer.errors import TransferError
+
+            raise TransferError("injected: release failed")
+
+
+def _push_worker_with(handles: list[_Handle]):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from kvxfer.engine import EngineConfig, Producer, allocate_cache
+    from kvxfer.layout.presets import spec_for
+
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=4)
+    prod = Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, allocate_cache(spec))])
+    prod._pusher._writes = [SimpleNamespace(xfer=h) for h in handles]
+    return prod
+
+
+def test_push_worker_close_leaves_in_use_handles_to_a_thread_that_did_not_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A push thread that did not stop within the join timeout (stuck in a call) may
+    still use its WRITE handles: close() released them under it."""
+    from kvxfer.engine import pusher as pusher_mod
+
+    monkeypatch.setattr(pusher_mod, "CLOSE_JOIN_S", 0.2)
+    h = _Handle()
+    prod = _push_worker_with([h])
+    stuck, go = threading.Event(), threading.Event()
+    pusher = prod._pusher
+    real_do = pusher._do
+
+    def blocking(cmd):  # type: ignore[no-untyped-def]
+        stuck.set()
+        go.wait(10)
+        return real_do(cmd)
+
+    pusher._do = blocking  # type: ignore[method-assign]
+    pusher._jobs.put(("precontact", ("tcp://127.0.0.1:9", 1)))
+    assert stuck.wait(5)
+    try:
+        pusher.close()
+        assert pusher._thread.is_alive() and h.released == 0  # left to the stuck thread
+    finally:
+        go.set()
+        pusher._thread.join(5)
+        pusher._writes = []
+        prod.close()
+
+
+def test_push_worker_close_goes_on_when_a_release_raises() -> None:
+    """A release that raised stopped Producer.close() before its server and ranks."""
+    bad, good = _Handle(raises=True), _Handle()
+    prod = _push_worker_with([bad, good])
+    prod.close()
+    assert bad.released == 1 and good.released == 1
+    assert prod._pusher._writes == []

@@ -62,6 +62,7 @@ MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived
 MAX_PARKED = 256  # pushes waiting for one consumer's records
 # consumer engines known at once; past it the least recently used idle one is forgotten
 MAX_CONSUMERS = 1024
+CLOSE_JOIN_S = 5.0  # close() waits this long for the push thread to stop
 
 
 _Cmd = tuple[str, object] | None
@@ -144,11 +145,21 @@ class PushWorker:
         self._jobs.put(("cancel", (rank, sender, request_id, attempt)))
 
     def close(self) -> None:
+        """Stop the push thread, then release its WRITEs in flight (each release that
+        fails is logged; the others go on). A thread that did not stop within
+        ``CLOSE_JOIN_S`` may still use them: they are left to the agent's teardown."""
         self._jobs.put(None)
-        self._thread.join(5)
+        self._thread.join(CLOSE_JOIN_S)
+        if self._thread.is_alive():
+            log.error("push thread did not stop within %.0f s; its %d WRITEs in flight are "
+                      "left to the agent's teardown", CLOSE_JOIN_S, len(self._writes))  # fmt: skip
+            return
         for job in self._writes:
             if job.xfer is not None:
-                job.xfer.release()
+                try:
+                    job.xfer.release()
+                except KvxferError as e:
+                    log.warning("push close: releasing a WRITE: %s", e)
         self._writes = []
 
     def _run(self) -> None:
