@@ -20,7 +20,7 @@ from kvxfer.engine.config import Buffer, EngineConfig, check_deadline
 from kvxfer.engine.contact import FirstContact
 from kvxfer.engine.holds import (
     CHECK_SLOTS,
-    MAX_BINDING_BYTES,
+    check_binding,
     check_ticket,
     hold_digest,
     unbound_digest,
@@ -315,8 +315,7 @@ class Consumer(FirstContact):
         state ids) must appear in it in the same order: reading the held blocks in
         another order would put the right bytes in the wrong places.
         """
-        if not isinstance(binding, bytes) or len(binding) > MAX_BINDING_BYTES:
-            raise ConfigError(f"hold_binding must be bytes, at most {MAX_BINDING_BYTES}")
+        check_binding("hold_binding", binding)
         if not ticket:
             return b""
         named = [np.asarray(a) for a in (ids.remote, ids.remote_state) if a is not None]
@@ -333,7 +332,7 @@ class Consumer(FirstContact):
             raise ConfigError(f"request {request_id!r}: hold_block_ids repeats block ids")
         for a in named:
             at = np.minimum(np.searchsorted(ranked, a), max(len(ranked) - 1, 0))
-            found = (at < len(ranked)) & (ranked[at] == a) if len(ranked) else a != a
+            found = ranked[at] == a if len(ranked) else np.zeros(a.shape, bool)
             if not np.all(found):
                 raise ConfigError(
                     f"request {request_id!r}: remote blocks {a[~found][:8].tolist()} are "

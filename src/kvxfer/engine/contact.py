@@ -30,6 +30,7 @@ from kvxfer.engine.waiting import Progress
 from kvxfer.errors import ClosedError, ConfigError, KvxferError, LayoutError, PeerLostError
 from kvxfer.layout.model import MemKind, region_places, single_place
 from kvxfer.planning.pairing import pair_layouts
+from kvxfer.transport.handles import release_each
 from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import Heartbeat, LayoutRecord, ModelFacts, encode_msg, layout_from_record
 
@@ -326,13 +327,9 @@ class FirstContact:
     def _release_peer(self, peer: PeerInfo) -> None:
         """Release a peer's prepared lists, and each of its agents no other peer uses
         (engine lock held; the peer is out of ``_peers``). Idempotent."""
-        lists = [x for pair in peer.lists.values() for x in pair]
-        peer.lists, peer.hold_lists, held = {}, {}, list(peer.hold_lists.values())
-        for plist in (*lists, *held):
-            try:
-                plist.release()
-            except KvxferError as e:
-                log.debug("release of %s's list: %s", peer.address, e)
+        lists = [*(x for pair in peer.lists.values() for x in pair), *peer.hold_lists.values()]
+        peer.lists, peer.hold_lists = {}, {}
+        release_each(lists, f"{peer.address}'s lists")
         for agent in peer.agents.values():
             users = self._agent_users.get(agent)
             if users is None or id(peer) not in users:

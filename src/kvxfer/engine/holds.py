@@ -56,7 +56,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.errors import ConfigError
-from kvxfer.wire.limits import HOLD_SLOT_BYTES
+from kvxfer.wire.limits import HOLD_DIGEST_BYTES, HOLD_SLOT_BYTES
 
 __all__ = [
     "CHECK_SLOTS",
@@ -67,6 +67,7 @@ __all__ = [
     "HoldVerdict",
     "TicketBook",
     "binding_matches",
+    "check_binding",
     "held_word",
     "hold_digest",
     "released_word",
@@ -86,8 +87,8 @@ _UNBOUND_TAG = b"kvxfer.hold-unbound/1\0"
 
 
 def _hmac16(key: bytes | None, *parts: bytes) -> bytes:
-    d = hmac.new(key or b"", b"".join(parts), hashlib.sha256).digest()[:16]
-    return d if d != bytes(16) else b"\x01" + d[1:]  # never a fresh slot's zeros
+    d = hmac.new(key or b"", b"".join(parts), hashlib.sha256).digest()[:HOLD_DIGEST_BYTES]
+    return d if any(d) else b"\x01" + d[1:]  # never a fresh slot's zeros
 
 
 def hold_digest(
@@ -136,6 +137,14 @@ def released_word(ticket: int) -> int:
 
 def slot_of(ticket: int, num_slots: int) -> int:
     return ticket % num_slots
+
+
+def check_binding(name: str, binding: object) -> bytes:
+    """``binding`` as bytes; ConfigError naming ``name`` unless it is bytes of at most
+    :data:`MAX_BINDING_BYTES`."""
+    if not isinstance(binding, bytes) or len(binding) > MAX_BINDING_BYTES:
+        raise ConfigError(f"{name} must be bytes, at most {MAX_BINDING_BYTES}")
+    return binding
 
 
 def check_ticket(ticket: object) -> int:

@@ -13,8 +13,8 @@ import numpy as np
 from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
 from kvxfer.engine.holds import (
     DIGEST,
-    MAX_BINDING_BYTES,
     TicketBook,
+    check_binding,
     held_word,
     hold_digest,
     released_word,
@@ -214,8 +214,7 @@ class Producer:
             num_blocks = len(held)
         if num_blocks < 0:
             raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
-        if not isinstance(binding, bytes) or len(binding) > MAX_BINDING_BYTES:
-            raise ConfigError(f"binding must be bytes, at most {MAX_BINDING_BYTES}")
+        check_binding("binding", binding)
         now, wall_ns = time.monotonic(), time.time_ns()
         with self._lock:
             if request_id in self._pending_free:

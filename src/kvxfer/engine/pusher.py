@@ -40,6 +40,7 @@ from kvxfer.errors import (
     TransferError,
 )
 from kvxfer.planning.request import RequestIds
+from kvxfer.transport.handles import release_each
 from kvxfer.transport.nixl import XferOp, XferState
 from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import (
@@ -154,12 +155,8 @@ class PushWorker:
             log.error("push thread did not stop within %.0f s; its %d WRITEs in flight are "
                       "left to the agent's teardown", CLOSE_JOIN_S, len(self._writes))  # fmt: skip
             return
-        for job in self._writes:
-            if job.xfer is not None:
-                try:
-                    job.xfer.release()
-                except KvxferError as e:
-                    log.warning("push close: releasing a WRITE: %s", e)
+        writes = [job.xfer for job in self._writes if job.xfer is not None]
+        release_each(writes, "a WRITE at close", logging.WARNING)
         self._writes = []
 
     def _run(self) -> None:
@@ -244,10 +241,7 @@ class PushWorker:
 
     def _release(self, job: PushJob) -> None:
         if job.xfer is not None:
-            try:
-                job.xfer.release()  # NIXL cancels a WRITE still in flight
-            except KvxferError as e:
-                log.debug("release of a cancelled write: %s", e)
+            release_each([job.xfer], "a cancelled WRITE")  # NIXL cancels one in flight
             job.xfer = None
 
     def _peer(self, address: str, generation: int) -> ConsumerPeer | None:
@@ -336,12 +330,8 @@ class PushWorker:
         for job in [j for j in self._writes if j.sender in peer.agents.values()]:
             self._release(job)
         self._writes = [j for j in self._writes if j.xfer is not None]
-        for pair in peer.lists.values():  # ours too: remove_remote releases only theirs
-            for plist in pair:
-                try:
-                    plist.release()
-                except KvxferError as e:
-                    log.debug("release of %s's list: %s", address, e)
+        # ours too: remove_remote releases only the lists naming the consumer's agent
+        release_each([x for pair in peer.lists.values() for x in pair], f"{address}'s lists")
         peer.lists.clear()
         for cache in self._ranks.values():
             for agent in peer.agents.values():

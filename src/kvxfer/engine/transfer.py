@@ -36,6 +36,7 @@ from kvxfer.errors import (
 )
 from kvxfer.planning.plans import PeerPlan
 from kvxfer.planning.request import RequestIds
+from kvxfer.transport.handles import release_each
 from kvxfer.transport.nixl import XferHandle, XferOp, XferState
 from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
 
@@ -477,11 +478,8 @@ class Transfer(RequestEnd):
 
     def _fail(self, error: KvxferError) -> None:
         ctx = self.context
-        for _, x in self.xfers:
-            try:
-                x.release()  # cancels in-flight work; buffers stay registered
-            except KvxferError as e:
-                log.debug("release after failure: %s", e)
+        # cancels in-flight work; buffers stay registered
+        release_each([x for _, x in self.xfers], "a transfer after failure")
         for d, _, i in self.checks:  # a check READ released in flight may land later
             self.context.ranks[d].free_word(i, CHECK_QUARANTINE_S if self.xfers else 0.0)
         self.checks = []

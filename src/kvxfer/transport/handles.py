@@ -8,12 +8,30 @@ PeerLostError. No NIXL import here: the backend frees the ids.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from typing import Protocol
 
-from kvxfer.errors import ConfigError, PeerLostError
+from kvxfer.errors import ConfigError, KvxferError, PeerLostError
 from kvxfer.transport.backend import XferOp
 
-__all__ = ["PreparedList", "XferHandle"]
+__all__ = ["PreparedList", "XferHandle", "release_each"]
+
+log = logging.getLogger(__name__)
+
+
+class _Releasable(Protocol):
+    def release(self) -> None: ...
+
+
+def release_each(handles: Iterable[_Releasable], what: str, level: int = logging.DEBUG) -> None:
+    """Release every handle (lists or transfers, of either backend); one that fails is
+    logged at ``level`` (``what`` names them) and the others are still released."""
+    for h in handles:
+        try:
+            h.release()
+        except KvxferError as e:
+            log.log(level, "release of %s: %s", what, e)
 
 
 class _Owner(Protocol):

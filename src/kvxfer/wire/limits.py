@@ -55,6 +55,7 @@ MAX_U64 = (1 << 64) - 1  # U64: addresses, byte sizes, generations
 MAX_MSG_BYTES = 64 << 10  # one notification / control message
 MAX_HOLD_SLOTS = 1 << 24  # a producer rank's hold table (HOLD_SLOT_BYTES a slot: 512 MiB)
 HOLD_SLOT_BYTES = 32  # a hold-table slot (kvxfer.engine.holds)
+HOLD_DIGEST_BYTES = 16  # a hold's binding digest, in its slot and in notices
 MAX_RANKS = 4096  # ranks named in one side-channel request or reply
 MAX_SIDE_REQUEST_BYTES = 64 << 10
 MAX_SIDE_REPLY_BYTES = 64 << 20
@@ -67,7 +68,7 @@ BudgetMs = Annotated[int, Meta(ge=0, le=MAX_BUDGET_MS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
 HashStr = Annotated[str, Meta(max_length=MAX_HASH_LEN)]
 RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LEN)]
-HoldDigest = Annotated[bytes, Meta(max_length=16)]  # kvxfer.engine.holds; b"": none
+HoldDigest = Annotated[bytes, Meta(max_length=HOLD_DIGEST_BYTES)]  # b"": none named
 Reason = Annotated[str, Meta(max_length=MAX_REASON_LEN)]
 
 
