@@ -32,6 +32,7 @@ Buffer = U8 | DeviceBuffer
 
 
 MAX_DEADLINE_S = MAX_BUDGET_MS / 1000  # a request's deadline: the wire carries an hour
+CLOSE_JOIN_S = 5.0  # close() waits at most this long for an engine's threads to stop
 
 
 def check_seconds(

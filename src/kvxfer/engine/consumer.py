@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.engine.config import Buffer, EngineConfig, check_deadline
+from kvxfer.engine.config import CLOSE_JOIN_S, Buffer, EngineConfig, check_deadline
 from kvxfer.engine.contact import FirstContact
 from kvxfer.engine.holds import (
     CHECK_SLOTS,
@@ -74,6 +74,8 @@ class Consumer(FirstContact):
         config.check()
         self.config = config
         self._closed = False
+        self._closing = threading.Event()
+        self._helpers: set[threading.Thread] = set()
         self._engine_lock = threading.RLock()  # NIXL calls + peer bookkeeping (see class doc)
         self.generation = new_generation()
         self.facts = config.facts(ranks[0][0])
@@ -359,6 +361,9 @@ class Consumer(FirstContact):
         Live requests end ABORTED (their producers are told); later calls of
         :meth:`read`/:meth:`push` raise :class:`~kvxfer.errors.ClosedError`.
         """
+        closing = getattr(self, "_closing", None)
+        if closing is not None:  # side-channel waits of contacts and rechecks end now
+            closing.set()
         monitor = getattr(self, "_monitor", None)
         if monitor is not None:  # first, outside the lock: its thread may wait for it
             monitor.close()
@@ -377,6 +382,7 @@ class Consumer(FirstContact):
         progress = getattr(self, "_progress", None)
         if progress is not None:  # outside the lock: its sweep may be waiting for it
             progress.close()
+        self._join_helpers(CLOSE_JOIN_S)  # outside the lock: a contact may wait for it
         with lock:
             inbox = getattr(self, "_inbox", None)
             if inbox is not None:

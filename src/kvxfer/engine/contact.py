@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import NoReturn
 
@@ -50,6 +50,8 @@ class FirstContact:
     compat_hash: str
     ranks: dict[int, RankCache]
     _closed: bool
+    _closing: threading.Event  # set first thing in close(): cuts side-channel waits short
+    _helpers: set[threading.Thread]  # contact, preconnect, recheck threads (under _lock)
     _lock: threading.Lock  # the peers dict
     _engine_lock: threading.RLock  # NIXL calls and peer bookkeeping
     _peers: dict[str, PeerInfo]
@@ -106,14 +108,44 @@ class FirstContact:
     def _start_preconnect(
         self, addresses: list[str], retry_for_s: float, interval_s: float
     ) -> threading.Thread:
-        th = threading.Thread(
-            target=self._preconnect_loop,
-            args=(addresses, retry_for_s, interval_s),
-            name="kvxfer-preconnect",
-            daemon=True,
-        )
-        th.start()
+        return self._spawn(self._preconnect_loop, (addresses, retry_for_s, interval_s),
+                           "kvxfer-preconnect")  # fmt: skip
+
+    def _spawn(
+        self, target: Callable[..., None], args: tuple[object, ...], name: str
+    ) -> threading.Thread:
+        """Start a helper thread that ``close()`` joins (it removes itself when it ends)."""
+
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._helpers.discard(threading.current_thread())
+
+        th = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:  # started under the lock: close() never joins an unstarted one
+            th.start()
+            self._helpers.add(th)
         return th
+
+    def _join_helpers(self, within_s: float) -> None:
+        """Wait up to ``within_s`` in all for the helper threads (``_closing`` is set, so
+        their side-channel waits end within ``CANCEL_POLL_S``); log those still running."""
+        if getattr(self._engine_lock, "_is_owned", lambda: False)():
+            # close() from a request's end callback (or any holder of the engine lock): a
+            # cancelled contact needs that lock to end, so it is not waited for here
+            log.debug("close under the engine lock: helper threads end on their own")
+            return
+        end = time.monotonic() + within_s
+        with self._lock:
+            helpers = list(self._helpers)
+        for th in helpers:
+            th.join(max(0.0, end - time.monotonic()))
+        left = [th.name for th in helpers if th.is_alive()]
+        if left:
+            log.error("close: %d helper thread(s) still running after %.0f s: %s",
+                      len(left), within_s, left)  # fmt: skip
 
     def _preconnect_loop(self, pending: list[str], retry_for_s: float, interval_s: float) -> None:
         end = time.monotonic() + retry_for_s
@@ -163,9 +195,7 @@ class FirstContact:
                 return peer
             self._peers[address] = peer
         if start:
-            threading.Thread(
-                target=self._contact_loop, args=(peer,), name="kvxfer-handshake", daemon=True
-            ).start()
+            self._spawn(self._contact_loop, (peer,), "kvxfer-handshake")
         return peer
 
     def _contact_loop(self, peer: PeerInfo | None) -> None:
@@ -185,8 +215,15 @@ class FirstContact:
         ``QUEUE_GRACE_S``) are dropped, failed, without a contact."""
         waited = {id(t.peer) for t in self._inbox.live() if not t.state.is_terminal}
         dropped = []
+        closed: list[PeerInfo] = []
         with self._lock:
-            while self._contact_queue and not self._closed:
+            if self._closed:  # nobody is contacted any more: those queued fail now
+                closed.extend(self._contact_queue)
+                self._contact_queue.clear()
+                for peer in closed:
+                    if self._peers.get(peer.address) is peer:
+                        del self._peers[peer.address]
+            while self._contact_queue:
                 peer = self._contact_queue.popleft()
                 recent = time.monotonic() - peer.wanted_at < QUEUE_GRACE_S
                 if id(peer) in waited or recent:
@@ -195,6 +232,9 @@ class FirstContact:
                 if self._peers.get(peer.address) is peer:
                     del self._peers[peer.address]
             self._contacting -= 1
+        for peer in closed:
+            peer.error = ClosedError(f"{peer.address}: not contacted: the consumer closed")
+            peer.ready.set()
         for peer in dropped:
             peer.error = PeerLostError(f"{peer.address}: not contacted: no request waits for it")
             peer.ready.set()
@@ -215,6 +255,7 @@ class FirstContact:
                 self.config.handshake_timeout_s,
                 auth_key=self.config.auth_key,
                 facts=self.facts,
+                cancel=self._closing,
             )
             for ep in peer.endpoints
         }
@@ -399,10 +440,7 @@ class FirstContact:
             self._wrong_pin(t)
         if t.recheck is None:
             t.recheck = Future()
-            threading.Thread(
-                target=self._fetch_generations, args=(t.peer, t.recheck), daemon=True,
-                name="kvxfer-recheck",
-            ).start()  # fmt: skip
+            self._spawn(self._fetch_generations, (t.peer, t.recheck), "kvxfer-recheck")
             return
         if not t.recheck.done():
             return

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvxfer.errors import AuthError, KvxferError, PeerLostError
+from kvxfer.errors import AuthError, ClosedError, KvxferError, PeerLostError
 from kvxfer.transport.side_client import fetch_records
 
 __all__ = ["PeerMonitor", "listener_gone"]
@@ -214,8 +214,9 @@ class PeerMonitor:
         nothing listens there, else those another generation replaced."""
         try:
             recs = fetch_records(
-                endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key
-            )
+                endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key,
+                cancel=self._stop,
+            )  # fmt: skip
         except PeerLostError:
             return set(gens) if listener_gone(endpoint) else set()
         except KvxferError:
@@ -238,8 +239,9 @@ class PeerMonitor:
         when the endpoint last answered (monotonic)."""
         try:
             recs = fetch_records(
-                endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key
-            )
+                endpoint, None, self._hash, self._interval_s, auth_key=self._auth_key,
+                cancel=self._stop,
+            )  # fmt: skip
         except (PeerLostError, AuthError) as e:
             # AuthError: refused as unauthorized, which a key holder's probe gets only if
             # an on-path party replayed it first or 1,024 later ones overtook it: a miss,
@@ -257,6 +259,8 @@ class PeerMonitor:
                     f"({silent:.1f} s without an answer{why})"
                 ), False
             return None, False
+        except ClosedError:
+            return None, False  # close() cut the probe short: no verdict
         except KvxferError as e:
             return f"{endpoint}: heartbeat refused: {e}", False
         now = {r.generation for r in recs}

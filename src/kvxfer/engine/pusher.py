@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import cast
 
+from kvxfer.engine.config import CLOSE_JOIN_S
 from kvxfer.engine.holds import HoldVerdict, slot_of, verdict
 from kvxfer.engine.push_peer import ConsumerPeer, PushJob, consumer_peer
 from kvxfer.engine.rank import RankCache
@@ -63,7 +64,6 @@ MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived
 MAX_PARKED = 256  # pushes waiting for one consumer's records
 # consumer engines known at once; past it the least recently used idle one is forgotten
 MAX_CONSUMERS = 1024
-CLOSE_JOIN_S = 5.0  # close() waits this long for the push thread to stop
 
 
 _Cmd = tuple[str, object] | None
@@ -112,10 +112,12 @@ class PushWorker:
         self._strided = strided
         self._run_blocks = run_blocks
         self._jobs: queue.Queue[_Cmd] = queue.Queue()
+        self._closing = threading.Event()  # set by close(): consumer fetches end at once
+        self._fetchers: set[threading.Thread] = set()  # kvxfer-push-fetch (under _lock)
         self._peers: dict[str, ConsumerPeer] = {}
         self._fetching: dict[str, list[PushJob]] = {}  # address -> jobs waiting for its records
         self._writes: list[PushJob] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # cancel marks and _fetchers
         self._cancelled: OrderedDict[tuple[int, str, int], None] = OrderedDict()
         self.num_failed = 0
         self.num_cancelled = 0
@@ -149,8 +151,16 @@ class PushWorker:
         """Stop the push thread, then release its WRITEs in flight (each release that
         fails is logged; the others go on). A thread that did not stop within
         ``CLOSE_JOIN_S`` may still use them: they are left to the agent's teardown."""
+        self._closing.set()
         self._jobs.put(None)
+        end = time.monotonic() + CLOSE_JOIN_S
         self._thread.join(CLOSE_JOIN_S)
+        with self._lock:
+            fetchers = list(self._fetchers)
+        for th in fetchers:  # cancelled: each ends within CANCEL_POLL_S
+            th.join(max(0.0, end - time.monotonic()))
+        if any(th.is_alive() for th in fetchers):
+            log.error("close: a consumer fetch did not stop within %.0f s", CLOSE_JOIN_S)
         if self._thread.is_alive():
             log.error("push thread did not stop within %.0f s; its %d WRITEs in flight are "
                       "left to the agent's teardown", CLOSE_JOIN_S, len(self._writes))  # fmt: skip
@@ -269,18 +279,24 @@ class PushWorker:
 
     def _start_fetch(self, address: str, jobs: list[PushJob]) -> None:
         self._fetching[address] = jobs
-        threading.Thread(
+        th = threading.Thread(
             target=self._fetch, args=(address,), name="kvxfer-push-fetch", daemon=True
-        ).start()
+        )
+        with self._lock:  # started under the lock: close() never joins an unstarted one
+            th.start()
+            self._fetchers.add(th)
 
     def _fetch(self, address: str) -> None:
         try:
             out: list[LayoutRecord] | Exception = fetch_records(
                 address, None, self._hash, self._timeout_s, auth_key=self._auth_key,
-                facts=self._facts,
+                facts=self._facts, cancel=self._closing,
             )  # fmt: skip
         except Exception as e:  # handed to the push thread, which fails the jobs typed
             out = e
+        finally:
+            with self._lock:
+                self._fetchers.discard(threading.current_thread())
         self._jobs.put(("fetched", (address, out)))
 
     def _fetched(self, address: str, out: list[LayoutRecord] | Exception) -> None:

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import zmq
 
-from kvxfer.errors import AuthError, ConfigError, IncompatibleError, PeerLostError, ProtocolError
+from kvxfer.errors import (
+    AuthError,
+    ClosedError,
+    ConfigError,
+    IncompatibleError,
+    PeerLostError,
+    ProtocolError,
+)
 from kvxfer.wire import (
     MAX_RANKS,
     MAX_SIDE_REPLY_BYTES,
@@ -34,7 +42,9 @@ from kvxfer.wire.auth import (
     open_frame,
 )
 
-__all__ = ["fetch_records"]
+__all__ = ["CANCEL_POLL_S", "fetch_records"]
+
+CANCEL_POLL_S = 0.05  # how often a cancellable fetch looks at its cancel event
 
 
 _CLIENT_SEALERS: dict[bytes, Sealer] = {}
@@ -78,6 +88,20 @@ def _open_reply(address: str, frame: bytes, key: bytes | None, request: bytes) -
         raise AuthError(f"side channel {address}: reply failed authentication: {e}") from None
 
 
+def _wait_reply(sock: zmq.Socket[bytes], timeout_s: float, cancel: threading.Event | None) -> bool:
+    """Whether a reply arrived within ``timeout_s`` (False at once once ``cancel`` is set)."""
+    if cancel is None:
+        return bool(sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN))
+    end = time.monotonic() + timeout_s
+    while not cancel.is_set():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        if sock.poll(max(1, int(min(left, CANCEL_POLL_S) * 1000)), zmq.POLLIN):
+            return True
+    return False
+
+
 def fetch_records(
     address: str,
     ranks: list[int] | None,
@@ -86,6 +110,7 @@ def fetch_records(
     *,
     auth_key: bytes | None = None,
     facts: ModelFacts | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[LayoutRecord]:
     """Fetch and decode the handshake records of ``ranks`` (None: all) from ``address``.
 
@@ -97,13 +122,15 @@ def fetch_records(
     ``timeout_s`` to answer, counted from the request being queued: a caller held up
     before it could wait (a starved thread on a loaded machine) still waits that long,
     so a late caller is not mistaken for a silent peer. With ``auth_key`` the request is
-    sealed and only a reply sealed for it is accepted.
+    sealed and only a reply sealed for it is accepted. ``cancel``: set by the caller's
+    ``close()``; the wait then ends within ``CANCEL_POLL_S``.
 
     Returns:
         The decoded records, in the order of ``ranks`` (by rank when None).
 
     Raises:
         PeerLostError: no reply within ``timeout_s`` (the message names both).
+        ClosedError: ``cancel`` was set before the reply came.
         IncompatibleError: the server or a record has another compat hash.
         ProtocolError: the reply or a record is malformed, or the server refused.
         AuthError: the server requires a key and none was given, or its reply is not
@@ -129,7 +156,9 @@ def fetch_records(
         except zmq.Again:
             raise lost from None
         # ZMQ's own thread connects, sends and receives without us: the wait is the peer's
-        if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
+        if not _wait_reply(sock, timeout_s, cancel):
+            if cancel is not None and cancel.is_set():
+                raise ClosedError(f"side channel {address}: cancelled (closing)")
             raise lost
         frames = sock.recv_multipart(zmq.NOBLOCK)
     finally:
