@@ -72,8 +72,16 @@ class RequestState(str, Enum):
     What can still land in the local blocks after a terminal state:
 
     - DONE: nothing more; every byte landed.
-    - Pull (READ), any other terminal state: nothing. The READ was released (NIXL
-      cancels it) before the state changed; the blocks may hold partial bytes.
+    - Pull (READ), any other terminal state: the blocks may hold partial bytes, and a
+      READ NIXL still ran when the request ended may land more: releasing it does not
+      stop it (measured: over UCX's TCP transport a READ from a stopped producer is
+      served when the producer runs again, 8 MB landing seconds after TIMEOUT). Such
+      a READ is kept, not released, and the blocks are QUARANTINED
+      (``Transfer.quarantined``) until NIXL reports it ended (done or failed; polled
+      by the consumer's inbox thread and by each ``quarantined`` call), or, for a READ
+      released with its dropped peer (which cannot be polled), until its producer's
+      process is proven gone; at most until ``deadline + lease_s``. A READ that had
+      ended when the request failed leaves no quarantine.
     - Push (WRITE), any other terminal state: the producer may still be writing, so
       the local blocks are QUARANTINED (``Transfer.quarantined`` is True): not
       reusable until every producer rank the request went to confirmed (``Cancelled``
@@ -82,9 +90,10 @@ class RequestState(str, Enum):
       :mod:`kvxfer.engine.liveness`), or ``deadline + lease_s`` passed. The
       producer never starts a write past the request's deadline (the PushRequest
       carries its remaining budget), releases posted writes at the deadline or on
-      Abort, and then confirms. Residual risk: the time bound assumes the producer
-      process gets scheduled; a producer stopped (SIGSTOP) past ``deadline + lease_s``
-      with a WRITE already posted could land bytes when continued.
+      Abort, and then confirms. A push's hold-check READs are quarantined as in pull.
+    - Residual risk, both modes: the time bound assumes the producer process gets
+      scheduled; a producer stopped (SIGSTOP) past ``deadline + lease_s`` with a READ
+      in flight from it, or a WRITE already posted, could land bytes when continued.
     """
 
     PENDING = "pending"  # waiting for first contact or for the transfer to finish

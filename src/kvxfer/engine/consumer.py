@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -42,6 +42,8 @@ from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import compat_hash
 
 __all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in peer.py, transfer.py
+
+MAX_ENDED_GENERATIONS = 4096  # producer generations remembered as proven ended
 
 
 class Consumer(FirstContact):
@@ -76,6 +78,7 @@ class Consumer(FirstContact):
         self._closed = False
         self._closing = threading.Event()
         self._helpers: set[threading.Thread] = set()
+        self._ended_gens: OrderedDict[int, None] = OrderedDict()  # proven ended (under _lock)
         self._engine_lock = threading.RLock()  # NIXL calls + peer bookkeeping (see class doc)
         self.generation = new_generation()
         self.facts = config.facts(ranks[0][0])
@@ -114,13 +117,15 @@ class Consumer(FirstContact):
             drop_peer=self._drop_peer,
             recheck=self._recheck,
             watch=self._progress.watch,
+            ended=self._is_ended,
+            watch_end=self._watch_quarantine,
         )  # what each Transfer's state machine needs from this engine
         self._monitor = PeerMonitor(
             self.compat_hash,
             config.heartbeat_s,
             self._on_peer_lost,
             auth_key=config.auth_key,
-            on_gone=self._inbox.settle_generations,
+            on_gone=self._generations_ended,
             silence_s=config.silence_s,
         )
         self._warm_up()
@@ -155,9 +160,26 @@ class Consumer(FirstContact):
             peer.error = PeerLostError(f"{address}: {reason}")
             self._drop_peer(peer)
 
+    def _generations_ended(self, generations: set[int]) -> None:
+        """Producer incarnations proven ended (their process exited or was replaced):
+        pushes from them are settled, and READs of theirs released with their peer
+        (which cannot be polled any more) no longer quarantine their blocks."""
+        with self._lock:
+            for g in generations:
+                self._ended_gens[g] = None
+                self._ended_gens.move_to_end(g)
+            while len(self._ended_gens) > MAX_ENDED_GENERATIONS:
+                self._ended_gens.popitem(last=False)
+        self._inbox.settle_generations(generations)
+
+    def _is_ended(self, generation: int) -> bool:
+        with self._lock:
+            return generation in self._ended_gens
+
     def _watch_quarantine(self, t: Transfer) -> None:
-        """A push ended without DONE and its producer may still write: probe the
-        producer's endpoints until its process is proven gone (which settles the
+        """A request ended without DONE and bytes may still land (a push whose producer
+        may still write, or a READ released with its dropped peer): probe the
+        producer's endpoints until its process is proven gone (which ends the
         quarantine at once) or the quarantine's time bound passes."""
         for ep, gens in t.peer.endpoint_generations.items():
             self._monitor.watch_end(ep, gens, t.quarantine_until)

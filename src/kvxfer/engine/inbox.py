@@ -140,9 +140,13 @@ class Inbox:
                     self._dispatch(d, agent, raw)
         now = time.monotonic()
         fresh: list[Transfer] = []
+        lingering: list[Transfer] = []
         with self._lock:
             for a, t in list(self._live.items()):
                 if not t.state.is_terminal:
+                    continue
+                if t.lingering:  # READs left running at its end: polled below, kept
+                    lingering.append(t)
                     continue
                 if t.expected <= (t.written | t.settled) or now >= t.quarantine_until:
                     del self._live[a]
@@ -154,6 +158,8 @@ class Inbox:
         if self._on_quarantine is not None:
             for t in fresh:
                 self._on_quarantine(t)
+        for t in lingering:  # outside our lock: this takes the engine lock
+            _ = t.quarantined  # releases the READs that ended (pruned next round)
 
     def _dispatch(self, d: int, agent: str, raw: bytes) -> None:
         try:

@@ -65,6 +65,8 @@ class RequestContext:
     drop_peer: Callable[[PeerInfo], None]  # forget a dead or restarted producer
     recheck: Callable[[Transfer], None]  # refetch generations for a request pinned elsewhere
     watch: Callable[[Transfer], None]  # the progress thread drives it until it ends
+    ended: Callable[[int], bool]  # whether a producer generation is proven ended
+    watch_end: Callable[[Transfer], None]  # probe its producer until proven gone (quarantine)
 
 
 def _wire_ids(ids: npt.NDArray[np.int64]) -> tuple[int, ...]:
@@ -134,7 +136,11 @@ class Transfer(RequestEnd):
     checks: list[tuple[int, int, int]] = field(default_factory=list)  # (local, remote, word)
     check_after: float = 0.0  # monotonic: a hold not started yet is checked again then
     num_checks: int = 0  # hold checks posted (a hold not started yet costs more than one)
-    quarantine_until: float = 0.0  # push: monotonic bound of the quarantine (see RequestState)
+    quarantine_until: float = 0.0  # monotonic bound of the quarantine (see RequestState)
+    # READs still in progress when the request ended: not released (that does not stop
+    # them), polled by `quarantined` until they end; one released by someone else (a
+    # dropped peer's remove_remote) cannot be polled and counts until quarantine_until
+    lingering: list[tuple[int, XferHandle]] = field(default_factory=list)
     _ended: threading.Event = field(default_factory=threading.Event, repr=False)
     _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -146,16 +152,63 @@ class Transfer(RequestEnd):
 
     @property
     def quarantined(self) -> bool:
-        """True while a producer may still write into this request's local blocks (a push
-        that did not end DONE and whose producer has not confirmed cancellation yet):
-        do not reuse the blocks until it turns False. Always False for pull (the design
-        is on :class:`RequestState`)."""
-        if self.op is not XferOp.WRITE or not self.expected or self.state is RequestState.DONE:
+        """True while bytes may still land in this request's local blocks after it ended
+        without DONE: a READ of ours NIXL still runs (pull, and a push's hold check), or
+        a push whose producer has not confirmed cancellation yet. Do not reuse the
+        blocks until it turns False (the design is on :class:`RequestState`). Each call
+        polls the READs left running, and releases those that ended."""
+        if self.state is RequestState.DONE:
             return False
+        lingering = self._linger_poll()
+        if self.op is not XferOp.WRITE or not self.expected:
+            return lingering
         if not self.state.is_terminal:
             return True
         _, _, settled = self.context.push_status(self)
-        return not settled and time.monotonic() < self.quarantine_until
+        return lingering or (not settled and time.monotonic() < self.quarantine_until)
+
+    def _linger_poll(self) -> bool:
+        """Whether a READ of this ended request may still land; releases those that ended."""
+        if not self.lingering:
+            return False
+        ctx = self.context
+        with ctx.lock:
+            if ctx.is_closed():  # the agents are gone, and their workers: nothing lands
+                self.lingering = []
+                return False
+            gone = all(ctx.ended(g) for g in self.peer.generations.values())
+            running = []
+            for d, x in self.lingering:
+                if x.is_released and gone:
+                    continue  # released when its peer was dropped; the process is gone
+                if not x.is_released and not self._still_running(d, x):
+                    continue
+                running.append((d, x))
+            if running and time.monotonic() >= self.quarantine_until:
+                log.warning(
+                    "request %r: %d READ(s) still in progress %.0f s after its end; "
+                    "released, the quarantine of its blocks ends (see RequestState)",
+                    self.request_id, len(running), ctx.config.lease_s,
+                )  # fmt: skip
+                release_each([x for _, x in running], "a READ past its quarantine")
+                running = []
+            self.lingering = running
+            return bool(running)
+
+    def _still_running(self, d: int, x: XferHandle) -> bool:
+        """Poll a READ of this request; release it if it ended (done or failed). A release
+        NIXL refuses (it could not cancel it) keeps it running. Engine lock held."""
+        try:
+            if self.context.ranks[d].backend.poll(x) is XferState.IN_PROGRESS:
+                return True
+        except KvxferError:
+            pass  # it failed: nothing more of it lands
+        try:
+            x.release()
+        except KvxferError as e:
+            log.warning("request %r: release of an ended READ: %s", self.request_id, e)
+            return True
+        return False
 
     def cancel(self) -> RequestState:
         """Give up on the request: it ends ABORTED (unless already terminal) and the
@@ -478,10 +531,19 @@ class Transfer(RequestEnd):
 
     def _fail(self, error: KvxferError) -> None:
         ctx = self.context
-        # cancels in-flight work; buffers stay registered
-        release_each([x for _, x in self.xfers], "a transfer after failure")
-        for d, _, i in self.checks:  # a check READ released in flight may land later
-            self.context.ranks[d].free_word(i, CHECK_QUARANTINE_S if self.xfers else 0.0)
+        # READs that ended are released; one still in progress is kept and polled until it
+        # ends (`quarantined`): releasing it does not stop it (UCX over TCP serves it when
+        # the producer runs again, and its bytes land in blocks the caller reused)
+        self.lingering = [
+            (d, x) for d, x in self.xfers if x.is_released or self._still_running(d, x)
+        ]
+        if self.lingering:
+            self.quarantine_until = max(self.quarantine_until, self.deadline + ctx.config.lease_s)
+            if any(x.is_released for _, x in self.lingering):
+                ctx.watch_end(self)  # cannot be polled: wait for proof its producer is gone
+        held_for = max(CHECK_QUARANTINE_S, self.quarantine_until - time.monotonic())
+        for d, _, i in self.checks:  # a check READ still in flight may land later
+            self.context.ranks[d].free_word(i, held_for if self.lingering else 0.0)
         self.checks = []
         self.xfers = []
         if (

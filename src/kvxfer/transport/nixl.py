@@ -355,6 +355,11 @@ class NixlBackend:
     def release(self, xfer: XferHandle) -> None:
         """Free a transfer request; NIXL cancels one still in progress. Idempotent.
 
+        A transfer NIXL cannot cancel raises (a TransferError) and stays usable: poll it
+        and release it again once it ended. Even a successful release does not always
+        stop a READ in flight (UCX over TCP serves it when the peer runs again), so the
+        engine releases a transfer only once it has ended, not to stop it.
+
         Args:
             xfer: a handle from :meth:`make_xfer`; unusable afterwards.
         """
@@ -362,8 +367,16 @@ class NixlBackend:
         if handle is None:
             return
         self._xfers.pop(handle, None)
-        with translate("release_xfer_handle", xfer.remote_agent):
-            self._live().releaseXferReq(handle)
+        agent = self._live()  # closed: the agent took its transfers with it
+        try:
+            with translate("release_xfer_handle", xfer.remote_agent):
+                agent.releaseXferReq(handle)
+        except KvxferError:
+            # NIXL could not cancel it and kept the handle (it may still land): so do we,
+            # so the caller can poll it and release it again once it ended
+            xfer._handle = handle
+            self._xfers[handle] = xfer
+            raise
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         """Send a notification not tied to a transfer.

@@ -6,10 +6,11 @@ worker hosts a :class:`~kvxfer.engine.Consumer` (one pull READ per request, or w
 ``transfer_mode`` "push" one request to the prefill to WRITE it, started without
 blocking the forward pass and polled once per step; a step that runs no tokens waits
 up to ``idle_wait_s`` for a transfer to end, see :meth:`WorkerSide.finished`). An
-engine with ``kv_both`` hosts both. A push that did not end DONE is reported (failed)
-only once the prefill can write nothing more into its blocks
-(:attr:`~kvxfer.engine.Transfer.quarantined`), so vLLM never recomputes into blocks a
-late WRITE could still overwrite.
+engine with ``kv_both`` hosts both. A load that did not end DONE is reported (failed)
+only once nothing more can land in its blocks
+(:attr:`~kvxfer.engine.Transfer.quarantined`: a late WRITE of a push, or a pull READ
+NIXL still runs), so vLLM never recomputes into, or reuses, blocks a late transfer
+could still overwrite.
 
 State is owned by vLLM's worker thread (it calls every method here); the engines'
 own threads are behind their public, thread-safe methods.
@@ -281,7 +282,7 @@ class WorkerSide:
             t = load.transfer
             state = t.poll() if t is not None else RequestState.FAILED
             if not state.is_terminal or (t is not None and t.quarantined):
-                continue  # quarantined: a push that did not end DONE may still land there
+                continue  # quarantined: a late WRITE or READ may still land there
             del self._loads[rid]
             recving.add(rid)
             self._count(load, state)

@@ -1,0 +1,158 @@
+"""A pull READ that ended without DONE must not land in blocks the caller reuses.
+
+Found by a review, reproduced here on real NIXL between processes: over UCX's TCP
+transport, releasing a READ in flight does not stop it. The producer's worker serves
+the GET when the producer runs again, and the bytes land in the consumer's blocks
+after the request ended TIMEOUT, in blocks that another request (from another
+producer) had meanwhile filled and reported DONE: 8,355,734 wrong bytes in the
+reviewer's run. (The same-host default, CMA, copies out of a stopped process at once,
+so the READ finishes before its deadline and the tests on it never saw this.)
+
+Now a READ still in progress when its request ends is not released: the request is
+``quarantined`` until NIXL reports it ended (or ``deadline + lease_s``), like a push
+whose producer has not confirmed. The vLLM connector already holds back a quarantined
+load's blocks."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.engine.config import RequestState
+from kvxfer.errors import TransferError
+from kvxfer.transport.nixl import NixlBackend, XferState
+
+from .procs import clear, ids, make_consumer, start_all, verify, wait_all
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+NB = 256
+
+
+def _until(cond: object, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_timed_out_read_over_tcp_never_lands_in_reused_blocks(
+    monkeypatch: pytest.MonkeyPatch, spawn, closing
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by each UCX context: producers and consumer
+    a, b = start_all([spawn(engine_id="pa", num_blocks=NB), spawn(engine_id="pb", num_blocks=NB)])
+    cons, ranks = make_consumer("tiny-gqa", NB, handshake_timeout_s=2.0)
+    closing(cons)
+    n = NB // 2
+    lids = np.arange(n)
+    a.hold([("warm", 2), ("stalled", n)])
+    b.hold([("warmb", 2), ("new", n)])
+    for rid, p in (("warm", a), ("warmb", b)):
+        t = cons.read(rid, p.address, local_block_ids=ids(0, 1), remote_block_ids=ids(5, 6))
+        assert t.wait(20) is RequestState.DONE, t.error
+    clear(ranks)
+    a.stop_process()
+    try:
+        t0 = time.monotonic()
+        stalled = cons.read("stalled", a.address, local_block_ids=lids,
+                            remote_block_ids=np.arange(n), deadline_s=1.0)  # fmt: skip
+        wait_all([stalled], 6)
+        assert stalled.state is RequestState.TIMEOUT, (stalled.state, stalled.error)
+        assert time.monotonic() - t0 < 1.0 + 1.5, "not ended by its deadline"
+        # the READ is still in progress at the stopped producer: the blocks are not free
+        assert stalled.quarantined
+        time.sleep(0.5)
+        assert stalled.quarantined
+    finally:
+        a.signal(signal.SIGCONT)
+    # the producer runs again: its GET is served, NIXL reports the READ ended, and only
+    # then are the blocks free
+    assert _until(lambda: not stalled.quarantined, 20), "the quarantine did not end"
+    t = cons.read("new", b.address, local_block_ids=lids, remote_block_ids=np.arange(n, 2 * n))
+    assert t.wait(20) is RequestState.DONE, t.error
+    time.sleep(1.0)  # a late READ would land now
+    wrong = verify(ranks, b.remote_spec(), lids, np.arange(n, 2 * n))
+    print(f"[measure] wrong bytes in the reused blocks 1 s after the producer resumed: {wrong}")
+    assert wrong == 0
+
+
+def test_a_read_nixl_cannot_cancel_keeps_its_blocks_quarantined(
+    monkeypatch: pytest.MonkeyPatch, spawn, closing
+) -> None:  # type: ignore[no-untyped-def]
+    """NIXL's release of a transfer it cannot cancel raises and keeps the handle (its
+    documented contract). kvxfer forgot the handle first, so it could neither poll nor
+    release it again, and the request's blocks were free at once (found by a review)."""
+    a = spawn(engine_id="pa", num_blocks=64).start()
+    cons, ranks = make_consumer("tiny-gqa", 64, handshake_timeout_s=2.0)
+    closing(cons)
+    a.hold([("warm", 2), ("stuck", 4)])
+    t = cons.read("warm", a.address, local_block_ids=ids(0, 1), remote_block_ids=ids(5, 6))
+    assert t.wait(20) is RequestState.DONE, t.error
+    stuck: dict[int, bool] = {}  # id(handle) -> whether NIXL may release it yet
+    real_post, real_poll, real_release = NixlBackend.post, NixlBackend.poll, NixlBackend.release
+
+    def post(self: NixlBackend, x):  # type: ignore[no-untyped-def]
+        state = real_post(self, x)
+        if x.num_descriptors > 1:  # the data READ (not a one-word hold check)
+            stuck[id(x)] = False
+            return XferState.IN_PROGRESS
+        return state
+
+    def poll(self: NixlBackend, x):  # type: ignore[no-untyped-def]
+        if id(x) in stuck and not stuck[id(x)]:
+            return XferState.IN_PROGRESS
+        return real_poll(self, x)
+
+    def release(self: NixlBackend, x):  # type: ignore[no-untyped-def]
+        if id(x) in stuck and not stuck[id(x)]:
+            # NIXL's UCX plugin (nixlAgent::releaseXferReq): cannot cancel, handle kept
+            raise TransferError("release_xfer_handle failed: transfer in progress")
+        return real_release(self, x)
+
+    monkeypatch.setattr(NixlBackend, "post", post)
+    monkeypatch.setattr(NixlBackend, "poll", poll)
+    monkeypatch.setattr(NixlBackend, "release", release)
+    t = cons.read("stuck", a.address, local_block_ids=ids(2, 3, 4, 5),
+                  remote_block_ids=ids(8, 9, 10, 11), deadline_s=0.5)  # fmt: skip
+    wait_all([t], 5)
+    assert t.state is RequestState.TIMEOUT, (t.state, t.error)
+    assert t.quarantined and t.quarantined
+    for k in stuck:  # NIXL finished it: now it can be released, without anyone asking
+        stuck[k] = True  # (the consumer's inbox thread polls READs left running)
+    backend = cons.ranks[0].backend
+    assert _until(lambda: backend._xfers == {}, 5), "the READ's handle was not released"
+    assert not t.quarantined and t.lingering == []
+
+
+def test_a_read_released_with_its_dropped_peer_stays_quarantined_until_it_is_gone(
+    monkeypatch: pytest.MonkeyPatch, spawn, closing
+) -> None:  # type: ignore[no-untyped-def]
+    """The heartbeat drops a stopped producer (silence, not proof of death) and releases
+    its agent's transfers with it: the READ cannot be polled any more and may still land
+    when the producer runs again, so the blocks stay quarantined until its process is
+    proven gone (here: killed, so its port refuses connections)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    a = spawn(engine_id="pa", num_blocks=NB).start()
+    cons, ranks = make_consumer("tiny-gqa", NB, handshake_timeout_s=0.5, heartbeat_s=0.2)
+    closing(cons)
+    n = NB // 2
+    a.hold([("warm", 2), ("stalled", n)])
+    t = cons.read("warm", a.address, local_block_ids=ids(0, 1), remote_block_ids=ids(5, 6))
+    assert t.wait(20) is RequestState.DONE, t.error
+    a.stop_process()
+    try:
+        t = cons.read("stalled", a.address, local_block_ids=np.arange(n),
+                      remote_block_ids=np.arange(n), deadline_s=5.0)  # fmt: skip
+        assert t.wait(10) is RequestState.PEER_LOST, (t.state, t.error)
+        assert t.quarantined
+    finally:
+        a.signal(signal.SIGCONT)
+    time.sleep(1.0)  # running again: the same process, not proven gone
+    assert t.quarantined
+    a.kill()
+    assert _until(lambda: not t.quarantined, 10), "not released once the producer was gone"
