@@ -16,6 +16,7 @@ load's blocks."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import numpy as np
@@ -23,7 +24,8 @@ import pytest
 
 from kvxfer.engine.config import RequestState
 from kvxfer.errors import TransferError
-from kvxfer.transport.nixl import NixlBackend, XferState
+from kvxfer.transport.nixl import NixlBackend, XferOp, XferState
+from tests.engines import local_pair
 
 from .procs import clear, ids, make_consumer, start_all, verify, wait_all
 
@@ -156,3 +158,94 @@ def test_a_read_released_with_its_dropped_peer_stays_quarantined_until_it_is_gon
     assert t.quarantined
     a.kill()
     assert _until(lambda: not t.quarantined, 10), "not released once the producer was gone"
+
+
+def _gate_writes(monkeypatch: pytest.MonkeyPatch) -> dict[int, bool]:
+    """WRITEs posted from now on report IN_PROGRESS until their gate opens (True): a
+    WRITE NIXL still runs (to a slow or stopped consumer). Their bytes have landed, but
+    their WriteDone is not sent (NIXL would send it when the WRITE ends)."""
+    gate: dict[int, bool] = {}
+    real_post, real_poll, real_make = NixlBackend.post, NixlBackend.poll, NixlBackend.make_xfer
+
+    def make_xfer(self: NixlBackend, op, local, lids, remote, rids, notif=b""):  # type: ignore[no-untyped-def]
+        return real_make(self, op, local, lids, remote, rids, b"" if op is XferOp.WRITE else notif)
+
+    def post(self: NixlBackend, x):  # type: ignore[no-untyped-def]
+        state = real_post(self, x)
+        if x.op is XferOp.WRITE:
+            gate[id(x)] = False
+            return XferState.IN_PROGRESS
+        return state
+
+    def poll(self: NixlBackend, x):  # type: ignore[no-untyped-def]
+        if id(x) in gate and not gate[id(x)]:
+            return XferState.IN_PROGRESS
+        return real_poll(self, x)
+
+    monkeypatch.setattr(NixlBackend, "make_xfer", make_xfer)
+    monkeypatch.setattr(NixlBackend, "post", post)
+    monkeypatch.setattr(NixlBackend, "poll", poll)
+    return gate
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_push_is_confirmed_cancelled_only_once_its_write_ended(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The producer released a WRITE in flight and sent Cancelled at once (on the
+    consumer's Abort, or at the deadline), which ended the consumer's quarantine while
+    the WRITE could still land (found by a review, by the same reasoning as pull). Now
+    Cancelled goes once NIXL reports the WRITE ended."""
+    with local_pair() as (_, _, prod, cons):
+        t = cons.push("warm", prod.address, local_block_ids=[0], remote_block_ids=[0])
+        assert t.wait(10) is RequestState.DONE, t.error
+        gate = _gate_writes(monkeypatch)
+        t = cons.push("slow", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4],
+                      deadline_s=5.0 if how == "cancel" else 1.0)  # fmt: skip
+        assert _until(lambda: (t.poll(), gate)[1], 5), "no WRITE was posted"
+        if how == "cancel":
+            assert t.cancel() is RequestState.ABORTED
+        else:
+            assert t.wait(5) is RequestState.TIMEOUT, (t.state, t.error)
+        time.sleep(1.0)  # the producer's deadline passes too
+        assert t.quarantined, "the producer confirmed while its WRITE still ran"
+        for k in gate:
+            gate[k] = True
+        assert _until(lambda: not t.quarantined, 5), "no confirmation once the WRITE ended"
+
+
+def test_an_abort_of_a_queued_push_survives_a_flood_of_other_aborts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A queued push's cancel was a mark in a 4,096-entry LRU that every Abort (pull ones
+    too) fed: past 4,096 others before the job was dequeued, it was written into blocks
+    whose quarantine had ended (found by a review). Marks of queued attempts are exact."""
+    with local_pair() as (_, local, prod, cons):
+        t = cons.push("warm", prod.address, local_block_ids=[0], remote_block_ids=[0])
+        assert t.wait(10) is RequestState.DONE, t.error
+        for b in local:
+            b[:] = 0
+        pusher = prod._pusher
+        go = threading.Event()
+        real_do = pusher._do
+
+        def do(cmd):  # type: ignore[no-untyped-def]
+            if cmd[0] == "block":
+                go.wait(20)
+                return
+            real_do(cmd)
+
+        monkeypatch.setattr(pusher, "_do", do)
+        pusher._jobs.put(("block", None))  # the push thread is busy: jobs stay queued
+        t = cons.push("victim", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4])
+        assert _until(lambda: (t.poll(), pusher._jobs.qsize() >= 1)[1], 5)
+        assert t.cancel() is RequestState.ABORTED
+        assert _until(lambda: pusher._jobs.qsize() >= 2, 5)  # the push and its cancel
+        for i in range(5000):  # other consumers' Aborts, as the producer thread passes them
+            pusher.cancel(0, "another-agent", f"r{i}", i + 1)
+        go.set()
+        assert _until(lambda: pusher._jobs.qsize() == 0, 5)
+        time.sleep(0.5)
+        landed = sum(int(np.count_nonzero(b)) for b in local)
+        assert landed == 0, f"{landed} bytes of a cancelled push were written"
+        assert _until(lambda: not t.quarantined, 5)

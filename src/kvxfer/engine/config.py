@@ -89,8 +89,12 @@ class RequestState(str, Enum):
       channel refuses connections, or another incarnation answers there: see
       :mod:`kvxfer.engine.liveness`), or ``deadline + lease_s`` passed. The
       producer never starts a write past the request's deadline (the PushRequest
-      carries its remaining budget), releases posted writes at the deadline or on
-      Abort, and then confirms. A push's hold-check READs are quarantined as in pull.
+      carries its remaining budget), and confirms a cancel (an Abort, or the deadline)
+      only once NIXL reports the WRITE ended: it does not release a WRITE in flight
+      to stop it (that does not stop it, as for pull), at most until 60 s past the
+      deadline (``pusher.CANCEL_LINGER_S``). The cancel of a queued push is remembered
+      exactly until it is dequeued. A push's hold-check READs are quarantined as in
+      pull.
     - Residual risk, both modes: the time bound assumes the producer process gets
       scheduled; a producer stopped (SIGSTOP) past ``deadline + lease_s`` with a READ
       in flight from it, or a WRITE already posted, could land bytes when continued.

@@ -37,6 +37,9 @@ class PushJob:
     deadline: float  # local monotonic seconds
     xfer: XferHandle | None = None
     fetched: bool = False  # its consumer's records were fetched once already
+    parked: bool = False  # waiting for its consumer's records (still pending)
+    pending: bool = True  # queued or parked: an Abort for it is remembered exactly
+    cancelled: bool = False  # its WRITE runs on, but its consumer gave up (Abort, deadline)
 
 
 def consumer_peer(

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import cast
 
@@ -59,7 +59,10 @@ __all__ = ["PushWorker"]
 log = logging.getLogger(__name__)
 
 
-MAX_CANCELLED = 4096  # remembered cancelled attempts (a bounded LRU)
+MAX_CANCELLED = 4096  # remembered cancelled attempts not queued here (a bounded LRU)
+# a cancelled WRITE that NIXL still runs this long past its deadline is released and
+# confirmed anyway (its consumer's quarantine ends at deadline + lease_s regardless)
+CANCEL_LINGER_S = 60.0
 MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived thread)
 MAX_PARKED = 256  # pushes waiting for one consumer's records
 # consumer engines known at once; past it the least recently used idle one is forgotten
@@ -119,6 +122,10 @@ class PushWorker:
         self._writes: list[PushJob] = []
         self._lock = threading.Lock()  # cancel marks and _fetchers
         self._cancelled: OrderedDict[tuple[int, str, int], None] = OrderedDict()
+        # attempts queued or parked here (how many jobs), and those of them cancelled:
+        # exact, so no flood of other Aborts pushes a queued job's cancel out of the LRU
+        self._pending: Counter[tuple[int, str, int]] = Counter()
+        self._cancelled_pending: set[tuple[int, str, int]] = set()
         self.num_failed = 0
         self.num_cancelled = 0
         self.num_errors = 0
@@ -128,6 +135,8 @@ class PushWorker:
     def submit(self, rank: int, sender: str, req: PushRequest, deadline: float) -> None:
         """Queue a push request received by producer rank ``rank`` from agent ``sender``;
         no WRITE of it starts after ``deadline`` (monotonic seconds)."""
+        with self._lock:
+            self._pending[(rank, sender, req.attempt)] += 1
         self._jobs.put(("push", PushJob(rank, sender, req, deadline)))
 
     def precontact(self, address: str, generation: int) -> None:
@@ -141,10 +150,14 @@ class PushWorker:
     def cancel(self, rank: int, sender: str, request_id: str, attempt: int) -> None:
         """Abort from ``sender``: drop queued jobs of ``attempt`` at once, release its
         posted WRITE on the push thread, then confirm with ``Cancelled``."""
+        key = (rank, sender, attempt)
         with self._lock:
-            self._cancelled[(rank, sender, attempt)] = None
-            while len(self._cancelled) > MAX_CANCELLED:
-                self._cancelled.popitem(last=False)
+            if key in self._pending:
+                self._cancelled_pending.add(key)
+            else:
+                self._cancelled[key] = None
+                while len(self._cancelled) > MAX_CANCELLED:
+                    self._cancelled.popitem(last=False)
         self._jobs.put(("cancel", (rank, sender, request_id, attempt)))
 
     def close(self) -> None:
@@ -172,7 +185,8 @@ class PushWorker:
     def _run(self) -> None:
         while True:
             try:
-                cmd = self._jobs.get(timeout=0.0005 if self._writes else 0.05)
+                active = any(not j.cancelled for j in self._writes)
+                cmd = self._jobs.get(timeout=0.0005 if active else 0.01 if self._writes else 0.05)
                 if cmd is None:
                     return
                 self._do(cmd)
@@ -207,6 +221,7 @@ class PushWorker:
                 self._start_fetch(address, [])
             return
         assert isinstance(arg, PushJob)
+        arg.parked = False
         try:
             self._start(arg)
         except KvxferError as e:
@@ -216,10 +231,29 @@ class PushWorker:
             err.__cause__ = e
             self._fail(arg, err)
             raise
+        finally:
+            if not arg.parked:  # posted, confirmed or failed: a later Abort finds its WRITE
+                self._unpend(arg)
+
+    def _unpend(self, job: PushJob) -> None:
+        if not job.pending:
+            return
+        job.pending = False
+        key = (job.rank, job.sender, job.req.attempt)
+        with self._lock:
+            self._pending[key] -= 1
+            if self._pending[key] <= 0:
+                del self._pending[key]
+                if key in self._cancelled_pending:  # later jobs of it (none expected) too
+                    self._cancelled_pending.discard(key)
+                    self._cancelled[key] = None
+                    while len(self._cancelled) > MAX_CANCELLED:
+                        self._cancelled.popitem(last=False)
 
     def _is_cancelled(self, job: PushJob) -> bool:
+        key = (job.rank, job.sender, job.req.attempt)
         with self._lock:
-            return (job.rank, job.sender, job.req.attempt) in self._cancelled
+            return key in self._cancelled_pending or key in self._cancelled
 
     def _confirm(self, job: PushJob) -> None:
         """Tell the job's consumer rank nothing more of this attempt will be written."""
@@ -239,19 +273,21 @@ class PushWorker:
         return any(agent in p.agents.values() for p in self._peers.values())
 
     def _cancel(self, rank: int, sender: str, request_id: str, attempt: int) -> None:
-        still = []
+        """Abort of ``attempt``: a WRITE of it NIXL still runs is not released (that does
+        not stop it) but marked; ``Cancelled`` goes once it ended (:meth:`_poll`).
+        Otherwise ``Cancelled`` goes now (idempotent: also for jobs done or never seen)."""
+        running = False
         for job in self._writes:
             if (job.rank, job.sender, job.req.attempt) == (rank, sender, attempt):
-                self._release(job)
-            else:
-                still.append(job)
-        self._writes = still
-        msg = Cancelled(request_id, self._generation, attempt, rank)
-        self._notify(rank, sender, msg)  # idempotent: also for jobs done or never seen
+                job.cancelled = True
+                running = True
+        if not running:
+            msg = Cancelled(request_id, self._generation, attempt, rank)
+            self._notify(rank, sender, msg)
 
     def _release(self, job: PushJob) -> None:
         if job.xfer is not None:
-            release_each([job.xfer], "a cancelled WRITE")  # NIXL cancels one in flight
+            release_each([job.xfer], "a WRITE")
             job.xfer = None
 
     def _peer(self, address: str, generation: int) -> ConsumerPeer | None:
@@ -272,10 +308,12 @@ class PushWorker:
             if len(parked) >= MAX_PARKED:
                 raise TransferError(f"{MAX_PARKED} pushes already wait for {address}")
             parked.append(job)
+            job.parked = True
             return
         if len(self._fetching) >= MAX_FETCHES:
             raise TransferError(f"{MAX_FETCHES} consumer contacts already in progress")
         self._start_fetch(address, [job])
+        job.parked = True
 
     def _start_fetch(self, address: str, jobs: list[PushJob]) -> None:
         self._fetching[address] = jobs
@@ -464,22 +502,37 @@ class PushWorker:
             if x is None:
                 continue
             try:
-                if self._ranks[job.rank].backend.poll(x) is XferState.IN_PROGRESS:
-                    if now >= job.deadline:  # the consumer gave up: stop writing into it
-                        self._release(job)
-                        self._confirm(job)
-                        continue
-                    still.append(job)
-                    continue
-                self._release(job)
-                self._written(job)
+                running = self._ranks[job.rank].backend.poll(x) is XferState.IN_PROGRESS
             except KvxferError as e:
                 self._release(job)
-                self._fail(job, e)
+                if job.cancelled:
+                    self._confirm(job)  # it failed: nothing more of it lands
+                else:
+                    self._fail(job, e)
+                continue
+            if running:
+                # the consumer gave up: Cancelled only once the WRITE ended (releasing it
+                # does not stop it; a WRITE of a push that gave up is never started)
+                job.cancelled = job.cancelled or now >= job.deadline
+                if job.cancelled and now >= job.deadline + CANCEL_LINGER_S:
+                    log.warning("push %s: WRITE still in progress %.0f s past its deadline; "
+                                "released and confirmed cancelled", job.req.request_id,
+                                CANCEL_LINGER_S)  # fmt: skip
+                    self._release(job)
+                    self._confirm(job)
+                    continue
+                still.append(job)
+                continue
+            self._release(job)
+            if job.cancelled:
+                self._confirm(job)
+            else:
+                self._written(job)
         self._writes = still
 
     def _fail(self, job: PushJob, error: KvxferError) -> None:
         self.num_failed += 1
+        self._unpend(job)
         self._release(job)
         self._writes = [j for j in self._writes if j is not job]
         req = job.req
