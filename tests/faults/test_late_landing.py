@@ -25,6 +25,7 @@ import pytest
 from kvxfer.engine.config import RequestState
 from kvxfer.errors import TransferError
 from kvxfer.transport.nixl import NixlBackend, XferOp, XferState
+from kvxfer.wire import encode_msg
 from tests.engines import local_pair
 
 from .procs import clear, ids, make_consumer, start_all, verify, wait_all
@@ -238,9 +239,13 @@ def test_an_abort_of_a_queued_push_survives_a_flood_of_other_aborts(
         monkeypatch.setattr(pusher, "_do", do)
         pusher._jobs.put(("block", None))  # the push thread is busy: jobs stay queued
         t = cons.push("victim", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4])
-        assert _until(lambda: (t.poll(), pusher._jobs.qsize() >= 1)[1], 5)
+
+        def queued(kind: str) -> bool:
+            return any(c is not None and c[0] == kind for c in list(pusher._jobs.queue))
+
+        assert _until(lambda: (t.poll(), queued("push"))[1], 5)
         assert t.cancel() is RequestState.ABORTED
-        assert _until(lambda: pusher._jobs.qsize() >= 2, 5)  # the push and its cancel
+        assert _until(lambda: queued("cancel"), 5)  # the producer thread passed its Abort
         for i in range(5000):  # other consumers' Aborts, as the producer thread passes them
             pusher.cancel(0, "another-agent", f"r{i}", i + 1)
         go.set()
@@ -249,3 +254,30 @@ def test_an_abort_of_a_queued_push_survives_a_flood_of_other_aborts(
         landed = sum(int(np.count_nonzero(b)) for b in local)
         assert landed == 0, f"{landed} bytes of a cancelled push were written"
         assert _until(lambda: not t.quarantined, 5)
+
+
+def test_a_push_the_producer_cancelled_ends_at_once_not_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every producer rank confirmed a cancel the consumer never asked for (its deadline,
+    on its own clock, passed first): nothing more is written, so the request fails now,
+    saying so, instead of waiting for its own deadline (found by a review)."""
+    from kvxfer.wire import Cancelled
+
+    with local_pair() as (_, _, prod, cons):
+        t = cons.push("warm", prod.address, local_block_ids=[0], remote_block_ids=[0])
+        assert t.wait(10) is RequestState.DONE, t.error
+        gate = _gate_writes(monkeypatch)
+        t = cons.push("slow", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4],
+                      deadline_s=20.0)  # fmt: skip
+        assert _until(lambda: (t.poll(), gate)[1], 5), "no WRITE was posted"
+        for k in gate:
+            gate[k] = True
+        peer = cons._peers[prod.address]
+        backend, agent = prod.ranks[0].backend, cons.ranks[0].backend.name
+        t0 = time.monotonic()
+        backend.send_notif(agent, encode_msg(Cancelled("slow", peer.generations[0], t.attempt, 0)))
+        assert t.wait(5) is RequestState.FAILED, (t.state, t.error)
+        assert "cancelled the push" in str(t.error)
+        assert time.monotonic() - t0 < 2.0
+        assert not t.quarantined

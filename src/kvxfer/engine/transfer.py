@@ -271,12 +271,17 @@ class Transfer(RequestEnd):
                     )
                 self._post()
             if self.op is XferOp.WRITE:
-                done, reason, _ = ctx.push_status(self)
+                done, reason, settled = ctx.push_status(self)
                 if reason is not None:
                     raise TransferError(f"producer failed to push {self.request_id!r}: {reason}")
                 if not done:
                     if self.peer.error is not None:  # the heartbeat saw the producer die
                         raise self.peer.error
+                    if settled:  # every rank wrote or confirmed a cancel: no WRITE comes
+                        raise TransferError(  # (its deadline, on its clock, passed first)
+                            f"producer cancelled the push of {self.request_id!r} before "
+                            "writing it all (its deadline, counted on its clock, passed first)"
+                        )
                     return self.state
                 if not self.hold_ticket:
                     self._finish()
@@ -580,7 +585,11 @@ class Transfer(RequestEnd):
                     self.request_id, gen, self.state.value, self.attempt, self.hold_ticket,
                     self.hold_digest,
                 )  # fmt: skip
-                msg = encode_msg(abort)
+                try:
+                    msg = encode_msg(abort)
+                except KvxferError as e:  # never stops the end below (its event, callbacks)
+                    log.warning("request %r: abort notice not sent: %s", self.request_id, e)
+                    break
                 for d in self.ranks:
                     try:
                         ctx.ranks[d].backend.send_notif(agent, msg)
