@@ -12,7 +12,9 @@ import pytest
 
 from kvxfer import errors
 from kvxfer.engine.config import EngineConfig, RequestState
+from kvxfer.errors import ConfigError
 from kvxfer.wire import PushRequest, encode_msg
+from tests.engines import local_pair
 
 from .procs import MODEL, clear, free_port, ids, make_consumer, verify, wait_all
 
@@ -92,3 +94,38 @@ def test_push_to_dead_producer_ends_peer_lost(spawn, closing) -> None:  # type: 
     print(f"[measure] push to a dead producer: {t.state.value} after {elapsed:.2f} s ({t.error})")
     assert t.state is RequestState.PEER_LOST, (t.state, t.error)
     assert elapsed < 3.0
+
+
+def test_a_request_id_past_the_wire_limit_is_refused_when_made() -> None:
+    """An id the wire cannot carry (over MAX_REQUEST_ID_LEN) was accepted: encoding failed
+    when the request posted, then again in its Abort, so the request ended FAILED without
+    setting its end event or running its end callbacks (waiters slept until the
+    deadline; found by a review). Now the id is refused by read, push and hold."""
+    from kvxfer.wire import MAX_REQUEST_ID_LEN
+
+    long_id = "r" * (MAX_REQUEST_ID_LEN + 1)
+    with local_pair() as (_, _, prod, cons):
+        for make in (cons.read, cons.push):
+            with pytest.raises(ConfigError, match="request_id"):
+                make(long_id, prod.address, local_block_ids=[0], remote_block_ids=[0])
+        with pytest.raises(ConfigError, match="request_id"):
+            prod.hold(long_id, 1)
+        assert prod.num_held == 0
+        ok = "r" * MAX_REQUEST_ID_LEN  # the limit itself is fine
+        prod.hold(ok, 1, block_ids=[0])
+        t = cons.read(ok, prod.address, local_block_ids=[0], remote_block_ids=[0])
+        assert t.wait(10) is RequestState.DONE, t.error
+
+
+def test_a_lease_past_an_hour_is_refused_and_holds_nothing() -> None:
+    """hold(lease_s=1e300) overflowed after the tables, ticket book and slot words were
+    written: OverflowError, and blocks held for ever (found by a review)."""
+    with local_pair() as (_, _, prod, _):
+        for bad in (1e300, 3600.5):
+            with pytest.raises(ConfigError, match="lease_s"):
+                prod.hold("x", 2, lease_s=bad)
+        assert prod.num_held == 0 and prod.held_blocks == 0
+        prod.hold("x", 2, lease_s=3600)
+        assert prod.num_held == 1
+    with pytest.raises(ConfigError, match="lease_s"):
+        EngineConfig("p", lease_s=1e9).check()

@@ -145,6 +145,7 @@ def test_renewals_do_not_grow_the_heap_without_bound() -> None:
 class _Live:
     num_blocks: int
     expires_at: float
+    lease_s: float  # its own lease: a renewal without one extends by it
     acked: set[int] = field(default_factory=set)
 
 
@@ -182,7 +183,8 @@ class LeaseMachine(RuleBasedStateMachine):
                 self.table.hold(rid, n, self.now, lease)
             return
         self.table.hold(rid, n, self.now, lease)
-        self.live[rid] = _Live(n, self.now + (2.0 if lease is None else lease))
+        own = 2.0 if lease is None else lease
+        self.live[rid] = _Live(n, self.now + own, own)
         self.num_holds += 1
 
     @rule(rid=IDS, rank=st.integers(0, 3), expected=st.integers(0, 3))
@@ -205,7 +207,8 @@ class LeaseMachine(RuleBasedStateMachine):
         entry = self.live.get(rid)
         assert got is (entry is not None)
         if entry is not None:
-            entry.expires_at = max(entry.expires_at, self.now + (2.0 if lease is None else lease))
+            by = entry.lease_s if lease is None else lease
+            entry.expires_at = max(entry.expires_at, self.now + by)
 
     @rule(rid=IDS)
     def abort(self, rid: str) -> None:
@@ -315,3 +318,18 @@ def test_early_acks_are_forgotten_after_a_while_and_bounded() -> None:
     # without a time (callers that do not opt in) an unknown ack is only counted
     t.ack("y", 0, expected=1)
     assert t.num_early_acks == 0 and t.num_unknown_acks == MAX_EARLY_ACKS + 12
+
+
+def test_a_renewal_keeps_a_short_hold_short() -> None:
+    """A consumer's renewal extends a hold to cover its deadline (``cover_s``), by the
+    hold's own lease at least: not the table's default. A 2 s hold renewed once was held
+    for the engine's 60 s lease instead (found by a review)."""
+    t = LeaseTable(60.0)
+    t.hold("r", 1, now=0.0, lease_s=2.0)
+    assert t.renew("r", now=1.0, cover_s=0.5) is True
+    assert t.expire(now=2.9) == []
+    assert t.expire(now=3.0) == ["r"]  # 1.0 + its own 2 s, not 1.0 + 60 s
+    t.hold("s", 1, now=10.0, lease_s=2.0)
+    assert t.renew("s", now=11.0, cover_s=5.0) is True  # the deadline is further: covered
+    assert t.expire(now=15.9) == []
+    assert t.expire(now=16.0) == ["s"]

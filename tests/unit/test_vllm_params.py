@@ -463,3 +463,18 @@ def test_forged_params_re_stamped_with_another_prompt_do_not_take_the_genuine_cl
     assert s.matched_tokens("forger", forger, forged, 0) == (70, True)
     s.after_alloc("forger", list(range(5)), 70)
     assert s.matched_tokens("genuine", PROMPT, params, 0) == (70, True)
+
+
+def test_a_prefill_whose_request_id_the_wire_cannot_carry_offers_nothing() -> None:
+    """vLLM takes a request id from the client's X-Request-Id header: one past the
+    wire's limit cannot be held (nor named by the decode): no offer, the blocks are
+    freed at once and the decode computes the prompt."""
+    from kvxfer.wire import MAX_REQUEST_ID_LEN
+
+    s = _prefill_side()
+    long_id = "x" * (MAX_REQUEST_ID_LEN + 1)
+    assert s.finished(long_id, {"do_remote_decode": True}, [1], 16, True, PROMPT) == (False, None)
+    assert s.take_step().holds == []
+    ok = "x" * MAX_REQUEST_ID_LEN
+    delay, params = s.finished(ok, {"do_remote_decode": True}, [1], 16, True, PROMPT)
+    assert delay and params is not None and params["kvxfer"]["request_id"] == ok

@@ -13,7 +13,7 @@ from kvxfer.errors import ConfigError
 from kvxfer.layout.model import DeviceBuffer
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.wire import ModelFacts, compat_hash, model_facts
-from kvxfer.wire.limits import MAX_BUDGET_MS, MAX_HOLD_SLOTS
+from kvxfer.wire.limits import MAX_BUDGET_MS, MAX_HOLD_SLOTS, MAX_REQUEST_ID_LEN
 
 __all__ = [
     "U8",
@@ -56,6 +56,25 @@ def check_deadline(name: str, value: object) -> float:
     """A request deadline in seconds: > 0 and at most :data:`MAX_DEADLINE_S` (an hour:
     what a push request's budget and a lease renewal carry)."""
     return check_seconds(name, value, max_s=MAX_DEADLINE_S)
+
+
+def check_lease(name: str, value: object) -> float:
+    """A lease in seconds: > 0 and at most :data:`MAX_DEADLINE_S` (an hour, what a lease
+    renewal carries; a longer one never ends in practice, and past about 9e9 s its
+    nanoseconds overflow)."""
+    return check_seconds(name, value, max_s=MAX_DEADLINE_S)
+
+
+def check_request_id(request_id: object) -> str:
+    """A request id the wire can carry: a str of at most ``MAX_REQUEST_ID_LEN`` chars."""
+    if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_LEN:
+        shown = request_id if not isinstance(request_id, str) else f"{request_id[:40]!r}..."
+        raise ConfigError(
+            f"request_id must be a str of at most {MAX_REQUEST_ID_LEN} characters (what "
+            f"the wire carries), got {type(request_id).__name__} {shown}"
+            + (f" of {len(request_id)}" if isinstance(request_id, str) else "")
+        )
+    return request_id
 
 
 def check_hold_slots(name: str, value: object) -> int:
@@ -177,7 +196,8 @@ class EngineConfig:
     def check(self) -> None:
         """Raise ConfigError naming the first setting that is not a valid number."""
         check_deadline("deadline_s", self.deadline_s)
-        for name in ("lease_s", "handshake_timeout_s", "heartbeat_s"):
+        check_lease("lease_s", self.lease_s)
+        for name in ("handshake_timeout_s", "heartbeat_s"):
             check_seconds(name, getattr(self, name))
         check_seconds("lease_margin_s", self.lease_margin_s, allow_zero=True)
         check_seconds("silence_s", self.silence_s, allow_zero=True)

@@ -16,7 +16,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.engine.config import CLOSE_JOIN_S, Buffer, EngineConfig, check_deadline
+from kvxfer.engine.config import (
+    CLOSE_JOIN_S,
+    Buffer,
+    EngineConfig,
+    check_deadline,
+    check_request_id,
+)
 from kvxfer.engine.contact import FirstContact
 from kvxfer.engine.holds import (
     CHECK_SLOTS,
@@ -302,6 +308,7 @@ class Consumer(FirstContact):
     ) -> Transfer:
         if self._closed:
             raise ClosedError(f"consumer closed: request {request_id!r} refused")
+        check_request_id(request_id)
         if deadline_s is not None:
             check_deadline("deadline_s", deadline_s)
         chosen = tuple(self.ranks) if ranks is None else tuple(ranks)

@@ -53,6 +53,7 @@ class Lease:
 class _Entry:
     num_blocks: int
     expires_at: float
+    lease_s: float  # the hold's own lease: what a renewal extends it by, at least
     acked: set[int] = field(default_factory=set)
 
 
@@ -120,12 +121,13 @@ class LeaseTable:
             raise ConfigError(f"request {request_id!r} is already held")
         if num_blocks < 0:
             raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
-        expires = now + (
+        lease = (
             self.default_lease_s
             if lease_s is None
             else check_seconds("lease_s", lease_s, allow_zero=True)
         )
-        self._entries[request_id] = _Entry(num_blocks, expires)
+        expires = now + lease
+        self._entries[request_id] = _Entry(num_blocks, expires, lease)
         self._push(request_id, expires)
         acks = self._early.pop(request_id, None)
         if early and acks is not None and now - acks[2] <= self.early_ack_s:
@@ -159,14 +161,18 @@ class LeaseTable:
             return True
         return False
 
-    def renew(self, request_id: str, now: float, lease_s: float | None = None) -> bool:
-        """Extend a held request's lease to ``now + lease_s``; False if it is not held."""
+    def renew(
+        self, request_id: str, now: float, lease_s: float | None = None, *, cover_s: float = 0.0
+    ) -> bool:
+        """Extend a held request's lease to ``now + lease_s`` (None: by the hold's own
+        lease, or ``cover_s`` when longer: a reader's deadline); False if it is not held."""
         if lease_s is not None:
             check_seconds("lease_s", lease_s, allow_zero=True)
+        check_seconds("cover_s", cover_s, allow_zero=True)
         entry = self._entries.get(request_id)
         if entry is None:
             return False
-        expires = now + (self.default_lease_s if lease_s is None else lease_s)
+        expires = now + (max(entry.lease_s, cover_s) if lease_s is None else lease_s)
         if expires > entry.expires_at:  # a lease never shortens; unchanged needs no heap item
             entry.expires_at = expires
             self._push(request_id, expires)

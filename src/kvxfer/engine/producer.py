@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvxfer.engine.config import Buffer, EngineConfig, check_seconds
+from kvxfer.engine.config import Buffer, EngineConfig, check_lease, check_request_id
 from kvxfer.engine.holds import (
     DIGEST,
     TicketBook,
@@ -201,7 +201,8 @@ class Producer:
             ConfigError: the request is held already, a bad count or lease, a ticket
                 that cannot be used, or every hold slot in use (nothing is held then).
         """
-        lease = self.config.lease_s if lease_s is None else check_seconds("lease_s", lease_s)
+        check_request_id(request_id)
+        lease = self.config.lease_s if lease_s is None else check_lease("lease_s", lease_s)
         ordered = None if block_ids is None else [int(b) for b in block_ids]
         held = None if ordered is None else frozenset(ordered)
         try:  # before any bookkeeping: an id past int64 is refused, nothing held
@@ -446,7 +447,7 @@ class Producer:
                 queued_s = max(0.0, (time.time_ns() - msg.sent_at_ns) / 1e9)
                 pushes.append((rank, agent, msg, now + msg.budget_ms / 1e3 - queued_s))
             elif isinstance(msg, LeaseRenew):
-                lease = max(self.config.lease_s, msg.budget_ms / 1e3)  # covers the deadline
+                cover = msg.budget_ms / 1e3  # the reader's deadline; a hold's own lease at least
                 for i, rid in enumerate(msg.request_ids):
                     ticket = msg.tickets[i] if i < len(msg.tickets) else 0
                     if ticket and self._tickets.get(rid) != ticket:
@@ -454,7 +455,7 @@ class Producer:
                         continue
                     digest = msg.digests[i] if i < len(msg.digests) else b""
                     if self._bound_to(rid, ticket, digest):
-                        table.renew(rid, now, lease)
+                        table.renew(rid, now, cover_s=cover)
             elif isinstance(msg, Heartbeat):
                 if msg.consumer_address:  # a consumer that will push: contact it now
                     self._pusher.precontact(msg.consumer_address, msg.consumer_generation)
@@ -496,12 +497,12 @@ class Producer:
         pusher = getattr(self, "_pusher", None)
         if pusher is not None:
             pusher.close()
-        server = getattr(self, "server", None)
-        if server is not None:
-            server.stop()
-        for r in self.ranks:
+        for r in self.ranks:  # the agents first: nothing of this process lands after them
             r.close()
         self.ranks = []
+        server = getattr(self, "server", None)
+        if server is not None:  # last: consumers take a refused connection as proof that
+            server.stop()  # this process can write no more (their quarantines end)
 
     def __enter__(self) -> Producer:
         return self

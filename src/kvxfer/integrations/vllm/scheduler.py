@@ -48,6 +48,7 @@ from kvxfer.integrations.vllm.params import (
     parse_params,
     prompt_hash,
 )
+from kvxfer.wire import MAX_REQUEST_ID_LEN
 
 __all__ = ["HoldJob", "LoadJob", "ProducerRank", "SchedulerSide", "StepJobs"]
 
@@ -294,6 +295,10 @@ class SchedulerSide:
             return False, None
         if not is_length_capped or not block_ids or prompt is None:
             return False, None  # aborted or failed (or embeddings): nothing to offer
+        if len(request_id) > MAX_REQUEST_ID_LEN:  # vLLM takes it from X-Request-Id
+            log.warning("request %.60s...: its id is longer than the %d characters the wire "
+                        "carries; not offering its KV", request_id, MAX_REQUEST_ID_LEN)  # fmt: skip
+            return False, None
         if len(self.producers) != self.tp_size:
             log.warning("request %s: producer ranks unknown (%d of %d); not offering its KV",
                         request_id, len(self.producers), self.tp_size)  # fmt: skip
