@@ -125,3 +125,23 @@ def test_forgetting_a_consumer_releases_its_lists_on_nixl(monkeypatch: pytest.Mo
             counts.append(len(backend._prepared))
         assert len(prod._pusher._peers) == 1
         assert counts[2:] == counts[1:-1], counts  # bounded: one consumer's pair at a time
+
+
+def test_a_consumer_whose_agents_fail_to_load_leaves_none_loaded() -> None:
+    """Adding a consumer loads each of its records' agents; one that failed midway left
+    the earlier ones loaded for good (the peer was never installed, so nothing removed
+    them; found by a review). Real NIXL."""
+    import msgspec
+
+    from kvxfer.engine.push_peer import consumer_peer
+    from kvxfer.errors import KvxferError
+    from tests.engines import local_pair
+
+    with local_pair() as (_, _, prod, cons):
+        (rec,) = fetch_records(cons.address, None, cons.compat_hash, 5.0)
+        bad = msgspec.structs.replace(rec, agent_name="broken", agent_metadata=b"not nixl")
+        backend = prod.ranks[0].backend
+        before = set(backend._remotes)
+        with pytest.raises(KvxferError):
+            consumer_peer(cons.address, [rec, bad], {0: prod.ranks[0]}, 1)
+        assert set(backend._remotes) == before

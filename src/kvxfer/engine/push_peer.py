@@ -4,9 +4,11 @@ memory kinds, learnt from its records) and one push job. Owned by the
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from kvxfer.engine.rank import RankCache
+from kvxfer.errors import KvxferError
 from kvxfer.layout.model import MemKind, region_places, single_place
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.planning.plans import PeerPlan
@@ -14,6 +16,8 @@ from kvxfer.transport.nixl import PreparedList, XferHandle
 from kvxfer.wire import LayoutRecord, PushRequest, layout_from_record
 
 __all__ = ["ConsumerPeer", "PushJob", "consumer_peer"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -59,8 +63,17 @@ def consumer_peer(
         r: single_place(region_places(lay.regions), f"consumer {address} rank {r} regions")[0]
         for r, lay in layouts.items()
     }
-    for cache in ranks.values():
-        for rec in recs:
-            cache.backend.add_remote(rec.agent_metadata)
+    added: list[tuple[RankCache, str]] = []
+    try:
+        for cache in ranks.values():
+            for rec in recs:
+                added.append((cache, cache.backend.add_remote(rec.agent_metadata)))
+    except BaseException:  # not installed, so nothing else would ever remove them
+        for cache, name in added:
+            try:
+                cache.backend.remove_remote(name)
+            except KvxferError as e:
+                log.debug("remove_remote %s: %s", name, e)
+        raise
     agents = {r.tp_rank: r.agent_name for r in recs}
     return ConsumerPeer(agents, plans, min(gens, default=0), kinds)
