@@ -129,3 +129,41 @@ def test_a_load_stuck_in_first_contact_waits_no_longer_than_the_bound() -> None:
             assert 0.25 <= waited < 2.0, waited
     finally:
         silent.close(0)
+
+
+def test_a_busy_step_yields_only_to_a_contact_past_its_fetch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A busy step waits up to 2 ms for a first contact's CPU work (build, add agent,
+    prepare), which starves for the GIL beside vLLM's loop. A contact still fetching
+    waits on the network and needs no GIL: a client naming a silent host in its params
+    taxed every busy step 2 ms for 10 s (found by a review). Now it costs nothing."""
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Consumer(EngineConfig("iwd5", model_name="tiny-gqa", handshake_timeout_s=20.0),
+                      [(SPEC, allocate_cache(SPEC))]) as cons:  # fmt: skip
+            side = _side()
+            side.consumer = cons
+            address = f"tcp://127.0.0.1:{port}"
+            side.start([LoadJob("d5", _remote(address, "r5", (1,)), (1,), (1,))], [])
+            side.finished()  # posts the load: its first contact starts
+            (load,) = side._loads.values()
+            peer = load.transfer.peer
+            waits: list[float] = []
+            real = type(peer.ready).wait
+
+            def wait(self, timeout=None):  # type: ignore[no-untyped-def]
+                if self is peer.ready:
+                    waits.append(timeout)
+                return real(self, timeout)
+
+            monkeypatch.setattr(type(peer.ready), "wait", wait)
+            assert peer.phase == "fetch"
+            side.finished()  # a busy step (idle_wait_s 0)
+            assert waits == [], "a busy step waited on a contact that is fetching"
+            peer.enter("build")  # as the handshake thread does once records arrived
+            side.finished()
+            assert waits == [0.002]
+    finally:
+        silent.close(0)

@@ -342,13 +342,16 @@ class WorkerSide:
         handshake thread gets the GIL only when the interpreter's switch interval (5 ms)
         forces a hand-off, at each of its many GIL re-acquisitions: measured here, first
         contact took 49-162 ms inside vLLM vs 13-20 ms in an idle process. Costs the step
-        at most 2 ms, and only while a first contact is in flight.
+        at most 2 ms, and only while a first contact does CPU work: not while it fetches
+        records (a wait on the network, without the GIL; a client's params naming a host
+        that never answers would tax every step for the fetch's timeout) or is queued.
         """
         for load in self._loads.values():
             t = load.transfer
-            if t is not None and not t.peer.ready.is_set():
-                t.peer.ready.wait(0.002)
-                return
+            if t is None or t.peer.ready.is_set() or t.peer.phase in ("fetch", "queued"):
+                continue
+            t.peer.ready.wait(0.002)
+            return
 
     def take_load_errors(self) -> set[int]:
         """Local block ids whose load failed since the last call."""
