@@ -132,13 +132,15 @@ def test_a_read_nixl_cannot_cancel_keeps_its_blocks_quarantined(
     assert not t.quarantined and t.lingering == []
 
 
+@pytest.mark.parametrize("ends", ["peer_lost", "timeout"])
 def test_a_read_released_with_its_dropped_peer_stays_quarantined_until_it_is_gone(
-    monkeypatch: pytest.MonkeyPatch, spawn, closing
+    monkeypatch: pytest.MonkeyPatch, spawn, closing, ends: str
 ) -> None:  # type: ignore[no-untyped-def]
     """The heartbeat drops a stopped producer (silence, not proof of death) and releases
     its agent's transfers with it: the READ cannot be polled any more and may still land
     when the producer runs again, so the blocks stay quarantined until its process is
-    proven gone (here: killed, so its port refuses connections)."""
+    proven gone (here: killed, so its port refuses connections). "timeout": the request
+    ended first, its READ left running, and the drop came after."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     a = spawn(engine_id="pa", num_blocks=NB).start()
     cons, ranks = make_consumer("tiny-gqa", NB, handshake_timeout_s=0.5, heartbeat_s=0.2)
@@ -150,9 +152,14 @@ def test_a_read_released_with_its_dropped_peer_stays_quarantined_until_it_is_gon
     a.stop_process()
     try:
         t = cons.read("stalled", a.address, local_block_ids=np.arange(n),
-                      remote_block_ids=np.arange(n), deadline_s=5.0)  # fmt: skip
-        assert t.wait(10) is RequestState.PEER_LOST, (t.state, t.error)
+                      remote_block_ids=np.arange(n),
+                      deadline_s=5.0 if ends == "peer_lost" else 0.3)  # fmt: skip
+        want = RequestState.PEER_LOST if ends == "peer_lost" else RequestState.TIMEOUT
+        assert t.wait(10) is want, (t.state, t.error)
         assert t.quarantined
+        # the heartbeat drops the silent producer (its READs go with its agent)
+        assert _until(lambda: a.address not in cons._peers, 10)
+        assert all(x.is_lost for _, x in t.lingering) and t.quarantined
     finally:
         a.signal(signal.SIGCONT)
     time.sleep(1.0)  # running again: the same process, not proven gone
@@ -281,3 +288,102 @@ def test_a_push_the_producer_cancelled_ends_at_once_not_at_its_deadline(
         assert "cancelled the push" in str(t.error)
         assert time.monotonic() - t0 < 2.0
         assert not t.quarantined
+
+
+def _stuck_reads(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """The next data READ posted reports IN_PROGRESS for good (NIXL still runs it)."""
+    stuck: set[int] = set()
+    real_post, real_poll = NixlBackend.post, NixlBackend.poll
+
+    def post(self: NixlBackend, x):  # type: ignore[no-untyped-def]
+        state = real_post(self, x)
+        if x.op is XferOp.READ and x.num_descriptors > 1 and not stuck:
+            stuck.add(id(x))
+            return XferState.IN_PROGRESS
+        return state
+
+    def poll(self: NixlBackend, x):  # type: ignore[no-untyped-def]
+        state = real_poll(self, x)
+        return XferState.IN_PROGRESS if id(x) in stuck else state
+
+    monkeypatch.setattr(NixlBackend, "post", post)
+    monkeypatch.setattr(NixlBackend, "poll", poll)
+    return stuck
+
+
+@pytest.mark.parametrize("where", ["caller", "end callback"])
+def test_close_with_a_read_still_running_is_prompt(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The inbox thread polls READs left running under the engine lock, and close() joins
+    the inbox thread under that lock: close() took 5 s (from an end callback, every time;
+    from a caller, 3 runs in 26), found by a review of this change."""
+    with local_pair() as (_, _, prod, cons):
+        prod.hold("a", 2)
+        prod.hold("b", 2)
+        stuck = _stuck_reads(monkeypatch)
+        a = cons.read("a", prod.address, local_block_ids=ids(0, 1), remote_block_ids=ids(0, 1))
+        assert _until(lambda: (a.poll(), stuck)[1], 5)
+        assert a.cancel() is RequestState.ABORTED and a.quarantined
+        took: list[float] = []
+
+        def close() -> None:
+            time.sleep(0.05)  # the inbox thread comes to poll `a` (the engine lock is held)
+            t0 = time.monotonic()
+            cons.close()
+            took.append(time.monotonic() - t0)
+
+        if where == "caller":
+            close()
+        else:  # `a` stays running; `b` ends, and its end callback closes the consumer
+            b = cons.read("b", prod.address, local_block_ids=ids(2, 3),
+                          remote_block_ids=ids(2, 3))  # fmt: skip
+            b.on_end(close)
+            assert b.wait(20) is RequestState.DONE, b.error
+            assert _until(lambda: took, 10)
+        assert took[0] < 1.0, f"close took {took[0]:.2f} s"
+        assert not a.quarantined  # closed: its agent and worker are gone, nothing lands
+
+
+def test_a_read_that_ended_before_its_sibling_failed_leaves_no_quarantine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TP 2 -> 2: rank 0's READ completed (and was released) and rank 1's failed in the
+    same poll; the released handle was counted as one released with a dropped peer, so
+    the request stayed quarantined until deadline + lease_s with nothing running (found
+    by a review of this change)."""
+    from kvxfer.engine import Consumer, EngineConfig, Producer, allocate_cache
+    from kvxfer.layout.presets import spec_for
+    from kvxfer.testing import fill
+
+    specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16) for r in range(2)]
+    pr = []
+    for s in specs:
+        b = allocate_cache(s)
+        fill(s, b)
+        pr.append((s, b))
+    with (
+        Producer(EngineConfig("p", model_name="tiny-gqa"), pr) as prod,
+        Consumer(
+            EngineConfig("d", model_name="tiny-gqa"), [(s, allocate_cache(s)) for s in specs]
+        ) as cons,  # fmt: skip
+    ):
+        prod.hold("warm", 4)
+        t = cons.read("warm", prod.address, local_block_ids=np.arange(4),
+                      remote_block_ids=np.arange(4))  # fmt: skip
+        assert t.wait(20) is RequestState.DONE, t.error
+        prod.hold("r", 4)
+        real_poll = NixlBackend.poll
+        rank1 = cons.ranks[1].backend
+
+        def poll(self: NixlBackend, x):  # type: ignore[no-untyped-def]
+            state = real_poll(self, x)
+            if self is rank1 and x.op is XferOp.READ and x.num_descriptors > 1:
+                raise TransferError("injected: the READ of rank 1 failed")
+            return state
+
+        monkeypatch.setattr(NixlBackend, "poll", poll)
+        t = cons.read("r", prod.address, local_block_ids=np.arange(4),
+                      remote_block_ids=np.arange(4))  # fmt: skip
+        assert t.wait(10) is RequestState.FAILED, (t.state, t.error)
+        assert t.lingering == [] and not t.quarantined

@@ -145,3 +145,30 @@ def test_a_consumer_whose_agents_fail_to_load_leaves_none_loaded() -> None:
         with pytest.raises(KvxferError):
             consumer_peer(cons.address, [rec, bad], {0: prod.ranks[0]}, 1)
         assert set(backend._remotes) == before
+
+
+def test_a_push_from_the_wrong_agent_leaves_no_pending_cancel_mark() -> None:
+    """A push naming another rank's agent failed after its job's sender was blanked, so
+    its pending mark (keyed by sender) was never removed: a peer could grow the exact
+    cancel set without bound (found by a review of this change)."""
+    import time
+
+    from kvxfer.engine.push_peer import ConsumerPeer
+    from kvxfer.engine.pusher import PushWorker
+    from kvxfer.wire import PushRequest
+
+    w = PushWorker({}, 1, "h", 1.0, lambda *a: None)
+    try:
+        w._peers["tcp://c:1"] = ConsumerPeer({0: "real-agent"}, {}, 0)
+        for i in range(3):
+            req = PushRequest(f"r{i}", 1, "tcp://c:1", 0, 1, (1,), (1,), attempt=100 + i)
+            w.submit(0, "forger", req, time.monotonic() + 10)
+        end = time.monotonic() + 5
+        while w.num_failed < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert w.num_failed == 3
+        assert dict(w._pending) == {}
+        w.cancel(0, "forger", "r0", 100)
+        assert w._cancelled_pending == set()
+    finally:
+        w.close()

@@ -100,7 +100,8 @@ class RequestState(str, Enum):
       by the consumer's inbox thread and by each ``quarantined`` call), or, for a READ
       released with its dropped peer (which cannot be polled), until its producer's
       process is proven gone; at most until ``deadline + lease_s``. A READ that had
-      ended when the request failed leaves no quarantine.
+      ended when the request failed leaves no quarantine; one NIXL reports failed
+      counts as ended (assumed: NIXL reports an error once no part of it runs).
     - Push (WRITE), any other terminal state: the producer may still be writing, so
       the local blocks are QUARANTINED (``Transfer.quarantined`` is True): not
       reusable until every producer rank the request went to confirmed (``Cancelled``
@@ -110,8 +111,9 @@ class RequestState(str, Enum):
       producer never starts a write past the request's deadline (the PushRequest
       carries its remaining budget), and confirms a cancel (an Abort, or the deadline)
       only once NIXL reports the WRITE ended: it does not release a WRITE in flight
-      to stop it (that does not stop it, as for pull), at most until 60 s past the
-      deadline (``pusher.CANCEL_LINGER_S``). The cancel of a queued push is remembered
+      to stop it (that does not stop it, as for pull). One still running 60 s past
+      the deadline (``pusher.CANCEL_LINGER_S``) is released and never confirmed: the
+      consumer's own bound ends that quarantine. The cancel of a queued push is remembered
       exactly until it is dequeued. A push's hold-check READs are quarantined as in
       pull.
     - Residual risk, both modes: the time bound assumes the producer process gets

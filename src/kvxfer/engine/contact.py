@@ -67,6 +67,9 @@ class FirstContact:
     def address(self) -> str:
         raise NotImplementedError  # the consumer's side-channel endpoint
 
+    def _generations_ended(self, generations: set[int]) -> None:
+        raise NotImplementedError  # the consumer's: settle pushes, end blind quarantines
+
     _progress: Progress
 
     def connect(self, address: str, timeout_s: float | None = None) -> PeerInfo:
@@ -453,8 +456,9 @@ class FirstContact:
             ) from e
         if now == t.peer.generations:
             self._wrong_pin(t)
-        # the incarnations replaced there are gone: pushes from them are settled
-        self._inbox.settle_generations(set(t.peer.generations.values()) - set(now.values()))
+        # the incarnations replaced there are gone: pushes from them are settled, READs
+        # of theirs released with the peer no longer quarantine their blocks
+        self._generations_ended(set(t.peer.generations.values()) - set(now.values()))
         t.rechecked = True
         self._drop_peer(t.peer)
         t.peer = self._peer(t.peer.address)

@@ -158,8 +158,10 @@ class Inbox:
         if self._on_quarantine is not None:
             for t in fresh:
                 self._on_quarantine(t)
-        for t in lingering:  # outside our lock: this takes the engine lock
-            _ = t.quarantined  # releases the READs that ended (pruned next round)
+        for t in lingering:  # outside our lock; the engine lock only if free (close()
+            if self._stop.is_set():  # holds it while it joins this thread)
+                return
+            t._linger_poll(blocking=False)  # releases the READs that ended (pruned next round)
 
     def _dispatch(self, d: int, agent: str, raw: bytes) -> None:
         try:

@@ -42,6 +42,7 @@ class PushJob:
     xfer: XferHandle | None = None
     fetched: bool = False  # its consumer's records were fetched once already
     parked: bool = False  # waiting for its consumer's records (still pending)
+    key: tuple[int, str, int] = (0, "", 0)  # (rank, sender, attempt) as submitted
     pending: bool = True  # queued or parked: an Abort for it is remembered exactly
     cancelled: bool = False  # its WRITE runs on, but its consumer gave up (Abort, deadline)
 

@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 
 
 MAX_CANCELLED = 4096  # remembered cancelled attempts not queued here (a bounded LRU)
-# a cancelled WRITE that NIXL still runs this long past its deadline is released and
-# confirmed anyway (its consumer's quarantine ends at deadline + lease_s regardless)
+# a cancelled WRITE that NIXL still runs this long past its deadline is released (not
+# confirmed: its consumer's quarantine ends at its own bound, deadline + lease_s)
 CANCEL_LINGER_S = 60.0
 MAX_FETCHES = 8  # consumer records fetched at once (each in its own short-lived thread)
 MAX_PARKED = 256  # pushes waiting for one consumer's records
@@ -135,9 +135,10 @@ class PushWorker:
     def submit(self, rank: int, sender: str, req: PushRequest, deadline: float) -> None:
         """Queue a push request received by producer rank ``rank`` from agent ``sender``;
         no WRITE of it starts after ``deadline`` (monotonic seconds)."""
+        job = PushJob(rank, sender, req, deadline, key=(rank, sender, req.attempt))
         with self._lock:
-            self._pending[(rank, sender, req.attempt)] += 1
-        self._jobs.put(("push", PushJob(rank, sender, req, deadline)))
+            self._pending[job.key] += 1
+        self._jobs.put(("push", job))
 
     def precontact(self, address: str, generation: int) -> None:
         """A consumer announced itself (``Heartbeat`` with its address): fetch its records
@@ -239,7 +240,7 @@ class PushWorker:
         if not job.pending:
             return
         job.pending = False
-        key = (job.rank, job.sender, job.req.attempt)
+        key = job.key  # as submitted (a job bound to no one has its sender blanked since)
         with self._lock:
             self._pending[key] -= 1
             if self._pending[key] <= 0:
@@ -251,7 +252,7 @@ class PushWorker:
                         self._cancelled.popitem(last=False)
 
     def _is_cancelled(self, job: PushJob) -> bool:
-        key = (job.rank, job.sender, job.req.attempt)
+        key = job.key
         with self._lock:
             return key in self._cancelled_pending or key in self._cancelled
 
@@ -515,11 +516,12 @@ class PushWorker:
                 # does not stop it; a WRITE of a push that gave up is never started)
                 job.cancelled = job.cancelled or now >= job.deadline
                 if job.cancelled and now >= job.deadline + CANCEL_LINGER_S:
+                    # not confirmed: that would end the consumer's quarantine while this
+                    # may still land; its own bound (deadline + lease_s) ends it
                     log.warning("push %s: WRITE still in progress %.0f s past its deadline; "
-                                "released and confirmed cancelled", job.req.request_id,
+                                "released, not confirmed", job.req.request_id,
                                 CANCEL_LINGER_S)  # fmt: skip
                     self._release(job)
-                    self._confirm(job)
                     continue
                 still.append(job)
                 continue

@@ -141,6 +141,7 @@ class Transfer(RequestEnd):
     # them), polled by `quarantined` until they end; one released by someone else (a
     # dropped peer's remove_remote) cannot be polled and counts until quarantine_until
     lingering: list[tuple[int, XferHandle]] = field(default_factory=list)
+    end_watched: bool = False  # its producer is probed until proven gone (a lost READ)
     _ended: threading.Event = field(default_factory=threading.Event, repr=False)
     _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -167,33 +168,43 @@ class Transfer(RequestEnd):
         _, _, settled = self.context.push_status(self)
         return lingering or (not settled and time.monotonic() < self.quarantine_until)
 
-    def _linger_poll(self) -> bool:
-        """Whether a READ of this ended request may still land; releases those that ended."""
+    def _linger_poll(self, blocking: bool = True) -> bool:
+        """Whether a READ of this ended request may still land; releases those that ended.
+        ``blocking=False`` (the inbox thread): if the engine lock is busy, poll nothing
+        and answer as last known (close() holds that lock while it joins the inbox)."""
         if not self.lingering:
             return False
         ctx = self.context
-        with ctx.lock:
+        if not ctx.lock.acquire(blocking=blocking):
+            return bool(self.lingering)
+        try:
             if ctx.is_closed():  # the agents are gone, and their workers: nothing lands
                 self.lingering = []
                 return False
             gone = all(ctx.ended(g) for g in self.peer.generations.values())
             running = []
             for d, x in self.lingering:
-                if x.is_released and gone:
-                    continue  # released when its peer was dropped; the process is gone
-                if not x.is_released and not self._still_running(d, x):
-                    continue
+                if x.is_lost:  # released with its dropped peer: cannot be polled
+                    if gone:
+                        continue  # its producer's process is proven gone
+                    if not self.end_watched:  # probe the producer until it is proven gone
+                        self.end_watched = True
+                        ctx.watch_end(self)
+                elif x.is_released or not self._still_running(d, x):
+                    continue  # ended (released by this request, or now)
                 running.append((d, x))
             if running and time.monotonic() >= self.quarantine_until:
                 log.warning(
-                    "request %r: %d READ(s) still in progress %.0f s after its end; "
-                    "released, the quarantine of its blocks ends (see RequestState)",
-                    self.request_id, len(running), ctx.config.lease_s,
+                    "request %r: %d READ(s) still in progress at the bound of its "
+                    "quarantine (deadline + lease_s); released, its blocks are free "
+                    "(see RequestState)", self.request_id, len(running),
                 )  # fmt: skip
                 release_each([x for _, x in running], "a READ past its quarantine")
                 running = []
             self.lingering = running
             return bool(running)
+        finally:
+            ctx.lock.release()
 
     def _still_running(self, d: int, x: XferHandle) -> bool:
         """Poll a READ of this request; release it if it ended (done or failed). A release
@@ -277,10 +288,11 @@ class Transfer(RequestEnd):
                 if not done:
                     if self.peer.error is not None:  # the heartbeat saw the producer die
                         raise self.peer.error
-                    if settled:  # every rank wrote or confirmed a cancel: no WRITE comes
-                        raise TransferError(  # (its deadline, on its clock, passed first)
+                    if settled:  # every rank wrote, confirmed a cancel or is gone: no WRITE
+                        raise TransferError(  # comes (its deadline, on its clock, passed)
                             f"producer cancelled the push of {self.request_id!r} before "
-                            "writing it all (its deadline, counted on its clock, passed first)"
+                            "writing it all (its deadline, counted on its clock, passed "
+                            "first), or its process is gone"
                         )
                     return self.state
                 if not self.hold_ticket:
@@ -540,12 +552,12 @@ class Transfer(RequestEnd):
         # ends (`quarantined`): releasing it does not stop it (UCX over TCP serves it when
         # the producer runs again, and its bytes land in blocks the caller reused)
         self.lingering = [
-            (d, x) for d, x in self.xfers if x.is_released or self._still_running(d, x)
-        ]
+            (d, x)
+            for d, x in self.xfers
+            if x.is_lost or (not x.is_released and self._still_running(d, x))
+        ]  # (one released with a dropped peer cannot be polled: see _linger_poll)
         if self.lingering:
             self.quarantine_until = max(self.quarantine_until, self.deadline + ctx.config.lease_s)
-            if any(x.is_released for _, x in self.lingering):
-                ctx.watch_end(self)  # cannot be polled: wait for proof its producer is gone
         held_for = max(CHECK_QUARANTINE_S, self.quarantine_until - time.monotonic())
         for d, _, i in self.checks:  # a check READ still in flight may land later
             self.context.ranks[d].free_word(i, held_for if self.lingering else 0.0)

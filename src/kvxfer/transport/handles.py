@@ -60,6 +60,11 @@ class _Handle:
         """True once released (explicitly, by ``remove_remote`` or by ``close``)."""
         return self._handle is None
 
+    @property
+    def is_lost(self) -> bool:
+        """True once released by ``remove_remote`` (its peer was removed or replaced)."""
+        return self._lost
+
     def _live(self) -> int:
         if self._handle is None:
             if self._lost:

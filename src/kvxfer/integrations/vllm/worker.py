@@ -234,8 +234,9 @@ class WorkerSide:
         ``aborted``: requests vLLM finished since the last step (its
         ``finished_req_ids``); a load of one still in flight is cancelled and reported
         now, failed, instead of pinning the request's blocks until its deadline (a
-        client that went away; params naming a host that never answers). A push stays
-        reported later, once the prefill can write nothing more into those blocks.
+        client that went away; params naming a host that never answers). A load whose
+        transfer may still land (a push the prefill has not confirmed stopped, a READ
+        NIXL still runs) is reported later, once nothing more can land in its blocks.
 
         A load that ended in any state but DONE is reported finished too, with its
         blocks in :meth:`take_load_errors`, so vLLM recomputes them (never decodes
