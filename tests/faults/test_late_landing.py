@@ -378,8 +378,13 @@ def test_a_read_that_ended_before_its_sibling_failed_leaves_no_quarantine(
 
         def poll(self: NixlBackend, x):  # type: ignore[no-untyped-def]
             state = real_poll(self, x)
-            if self is rank1 and x.op is XferOp.READ and x.num_descriptors > 1:
+            if x.op is not XferOp.READ or x.num_descriptors < 2:
+                return state
+            if self is rank1:
                 raise TransferError("injected: the READ of rank 1 failed")
+            end = time.monotonic() + 5  # rank 0's READ ends (and is released) first
+            while state is XferState.IN_PROGRESS and time.monotonic() < end:
+                state = real_poll(self, x)
             return state
 
         monkeypatch.setattr(NixlBackend, "poll", poll)
@@ -387,3 +392,33 @@ def test_a_read_that_ended_before_its_sibling_failed_leaves_no_quarantine(
                       remote_block_ids=np.arange(4))  # fmt: skip
         assert t.wait(10) is RequestState.FAILED, (t.state, t.error)
         assert t.lingering == [] and not t.quarantined
+
+
+def test_a_read_left_running_stays_quarantined_until_close_has_closed_the_agents(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """close() marks the consumer closed first and closes its agents last (after joining
+    its threads, up to seconds): a poll in between took "closed" for "the agents are
+    gone" and freed blocks a running READ could still land in (found by a review)."""
+    from kvxfer.engine import waiting
+
+    with local_pair() as (_, _, prod, cons):
+        prod.hold("a", 2)
+        stuck = _stuck_reads(monkeypatch)
+        a = cons.read("a", prod.address, local_block_ids=ids(0, 1), remote_block_ids=ids(0, 1))
+        assert _until(lambda: (a.poll(), stuck)[1], 5)
+        assert a.cancel() is RequestState.ABORTED and a.quarantined
+        real_close = waiting.Progress.close
+
+        def slow_close(self: waiting.Progress) -> None:
+            time.sleep(0.6)  # close() is between marking itself closed and closing agents
+            real_close(self)
+
+        monkeypatch.setattr(waiting.Progress, "close", slow_close)
+        closer = threading.Thread(target=cons.close)
+        closer.start()
+        time.sleep(0.2)
+        during = a.quarantined
+        closer.join(10)
+        assert during, "quarantine ended while the agent (and its READ) still ran"
+        assert not a.quarantined  # closed now: the agent and its worker are gone

@@ -82,6 +82,7 @@ class Consumer(FirstContact):
         config.check()
         self.config = config
         self._closed = False
+        self._agents_gone = False  # set by close() once its agents are closed
         self._closing = threading.Event()
         self._helpers: set[threading.Thread] = set()
         self._ended_gens: OrderedDict[int, None] = OrderedDict()  # proven ended (under _lock)
@@ -118,6 +119,7 @@ class Consumer(FirstContact):
             generation=self.generation,
             address=lambda: self.address,
             is_closed=lambda: self._closed,
+            agents_gone=lambda: self._agents_gone,
             push_status=self._inbox.status,
             record=self._stats.record,
             drop_peer=self._drop_peer,
@@ -406,7 +408,7 @@ class Consumer(FirstContact):
             inbox = getattr(self, "_inbox", None)
             for t in inbox.live() if inbox is not None else []:
                 if not t.state.is_terminal:
-                    t._fail(ClosedError(f"consumer closed: request {t.request_id!r}"))
+                    t._fail_surely(ClosedError(f"consumer closed: request {t.request_id!r}"))
             self._closed = True
         progress = getattr(self, "_progress", None)
         if progress is not None:  # outside the lock: its sweep may be waiting for it
@@ -429,6 +431,7 @@ class Consumer(FirstContact):
         for cache in self.ranks.values():
             cache.close()
         self.ranks = {}
+        self._agents_gone = True
 
     def __enter__(self) -> Consumer:
         return self

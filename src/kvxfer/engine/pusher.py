@@ -533,8 +533,8 @@ class PushWorker:
         self._writes = still
 
     def _fail(self, job: PushJob, error: KvxferError) -> None:
-        self.num_failed += 1
         self._unpend(job)
+        self.num_failed += 1
         self._release(job)
         self._writes = [j for j in self._writes if j is not job]
         req = job.req

@@ -60,6 +60,7 @@ class RequestContext:
     generation: int  # the consumer's incarnation (push requests name it)
     address: Callable[[], str]  # its side-channel endpoint (producers fetch records there)
     is_closed: Callable[[], bool]
+    agents_gone: Callable[[], bool]  # close() has closed the agents: nothing lands any more
     push_status: Callable[[Transfer], tuple[bool, str | None, bool]]  # Inbox.status
     record: Callable[[Transfer], None]  # count an ended request in the consumer's stats
     drop_peer: Callable[[PeerInfo], None]  # forget a dead or restarted producer
@@ -178,8 +179,8 @@ class Transfer(RequestEnd):
         if not ctx.lock.acquire(blocking=blocking):
             return bool(self.lingering)
         try:
-            if ctx.is_closed():  # the agents are gone, and their workers: nothing lands
-                self.lingering = []
+            if ctx.agents_gone():  # and their workers: nothing lands (not merely closing:
+                self.lingering = []  # close() closes the agents last)
                 return False
             gone = all(ctx.ended(g) for g in self.peer.generations.values())
             running = []
@@ -227,7 +228,9 @@ class Transfer(RequestEnd):
         :attr:`quarantined`). Returns the final state."""
         with self.context.lock:
             if not self.state.is_terminal:
-                self._fail(CancelledError(f"request {self.request_id!r} cancelled by the caller"))
+                self._fail_surely(
+                    CancelledError(f"request {self.request_id!r} cancelled by the caller")
+                )
         return self.state
 
     def poll(self) -> RequestState:
@@ -240,7 +243,9 @@ class Transfer(RequestEnd):
             if self.state.is_terminal:  # another thread ended it while this one waited
                 return self.state  # (a second _finish relaid its bytes out again)
             if ctx.is_closed():
-                self._fail(ClosedError(f"consumer closed: request {self.request_id!r} aborted"))
+                self._fail_surely(
+                    ClosedError(f"consumer closed: request {self.request_id!r} aborted")
+                )
                 return self.state
             return self._step()
 
@@ -312,12 +317,34 @@ class Transfer(RequestEnd):
             if not self.xfers and not self.checks and not self.check_after:
                 self._finish()
         except KvxferError as e:
-            self._fail(e)
+            self._fail_surely(e)
         except Exception as e:  # a half-done step (some sources posted, some
             # ranks relaid out) must never be finished by a later poll: the request fails
             log.exception("request %r: unexpected error in its step", self.request_id)
-            self._fail(TransferError(f"request {self.request_id!r}: internal error: {e!r}"))
+            self._fail_surely(TransferError(f"request {self.request_id!r}: internal error: {e!r}"))
         return self.state
+
+    def _fail_surely(self, error: KvxferError) -> None:
+        """:meth:`_fail`, and if failing raises (a bug, MemoryError), end FAILED anyway:
+        a later poll must never finish a half-done step DONE. What was posted then counts
+        as still running (quarantined until its bound)."""
+        try:
+            self._fail(error)
+        except Exception as e:
+            log.exception("request %r: error while failing it", self.request_id)
+            if self.state.is_terminal:
+                return
+            self.lingering = self.lingering or [
+                (d, x) for d, x in self.xfers if not x.is_released
+            ]  # fmt: skip
+            self.xfers = []
+            self.quarantine_until = max(
+                self.quarantine_until, self.deadline + self.context.config.lease_s
+            )
+            self.error = TransferError(f"request {self.request_id!r}: {error}; then {e!r}")
+            self.finished_at = time.perf_counter()
+            self.state = RequestState.FAILED
+            self._ended_now()
 
     def _poll_xfers(self) -> None:
         backends = self.context.ranks

@@ -62,6 +62,11 @@ class _MemHandle:
     def is_released(self) -> bool:
         return self._released
 
+    @property
+    def is_lost(self) -> bool:
+        """True once released by ``remove_remote`` (its peer was removed or replaced)."""
+        return self._lost
+
     def _check_live(self) -> None:
         if self._lost:
             raise PeerLostError(f"{self._what} for {self.remote_agent!r} is stale (peer removed)")
