@@ -30,6 +30,7 @@ __all__ = [
     "BackendFactory",
     "MemKind",
     "TransferBackend",
+    "XferHandleLike",
     "XferOp",
     "XferState",
     "check_ids",
@@ -54,8 +55,23 @@ class XferState(str, Enum):
     IN_PROGRESS = "IN_PROGRESS"
 
 
+class XferHandleLike(Protocol):
+    """What the engines use of a backend's transfer handle (checked by mypy against both
+    backends through their ``_conforms``)."""
+
+    @property
+    def is_released(self) -> bool: ...
+
+    @property
+    def is_lost(self) -> bool:
+        """Released by ``remove_remote`` (its peer was removed): cannot be polled."""
+        ...
+
+    def release(self) -> None: ...
+
+
 P = TypeVar("P")  # the backend's prepared-list handle
-X = TypeVar("X")  # the backend's transfer handle
+X = TypeVar("X", bound=XferHandleLike)  # the backend's transfer handle
 
 
 def check_rows(rows: Any) -> tuple[U64, int]:
@@ -111,7 +127,8 @@ class TransferBackend(Protocol[P, X]):
     """One agent: registered memory, known peers, prepared lists and transfers.
 
     ``P`` is the prepared-list handle type (has ``release()``, ``num_descriptors``,
-    ``remote_agent``), ``X`` the transfer handle type (has ``release()``, ``op``).
+    ``remote_agent``), ``X`` the transfer handle type (an :class:`XferHandleLike`, and
+    ``op``).
     """
 
     @property
