@@ -173,3 +173,79 @@ def _drive_any(t: Any) -> RequestState:
             pass
         time.sleep(0.002)
     return RequestState(t.state)
+
+
+def test_a_request_whose_failure_raises_after_it_turned_terminal_still_ends() -> None:
+    """_fail raised after the state turned terminal (its stats record, then its Abort
+    and end come later): the end event was never set and callbacks never ran, so wait(),
+    wait_async() and as_completed slept until the deadline (found by a review)."""
+    import socket
+
+    from kvxfer.testing import MemoryBackend
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)  # never answers: the request waits for first contact
+    spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    try:
+        with Consumer(EngineConfig("md", model_name="tiny-gqa", handshake_timeout_s=30),
+                      [(spec, allocate_cache(spec))], backend_factory=MemoryBackend) as cons:  # fmt: skip
+            t = cons.read("r", f"tcp://127.0.0.1:{s.getsockname()[1]}", local_block_ids=[1],
+                          remote_block_ids=[1], deadline_s=20.0)  # fmt: skip
+            called: list[int] = []
+            t.on_end(lambda: called.append(1))
+
+            class Boom:  # the stats record, after `self.state = ABORTED`, raises
+                def __enter__(self) -> None:
+                    raise RuntimeError("simulated bug after the state turned terminal")
+
+                def __exit__(self, *a: object) -> None:
+                    pass
+
+            real = cons._stats._lock
+            cons._stats._lock = Boom()  # type: ignore[assignment]
+            assert t.cancel() is RequestState.ABORTED
+            cons._stats._lock = real
+            assert called == [1]
+            t0 = time.monotonic()
+            assert t.wait(5) is RequestState.ABORTED
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        s.close()
+
+
+def test_a_poll_that_raises_anything_keeps_the_read_quarantined_to_its_bound() -> None:
+    """A poll raising a non-kvxfer error (a binding bug) on a READ left running made every
+    later `quarantined` raise (in the vLLM worker's step, in the inbox thread), before
+    and after its bound (found by a review). Now the READ counts as running until the
+    bound, then is released."""
+    from kvxfer.testing import MemoryBackend
+
+    ps = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    pb = allocate_cache(ps)
+    fill(ps, pb)
+    specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16) for r in (0, 1)]
+    sides = [(s, allocate_cache(s)) for s in specs]
+    with (
+        Producer(EngineConfig("mp", model_name="tiny-gqa"), [(ps, pb)],
+                 backend_factory=MemoryBackend) as prod,
+        Consumer(EngineConfig("md", model_name="tiny-gqa", lease_s=1.0), sides,
+                 backend_factory=MemoryBackend) as cons,
+    ):  # fmt: skip
+        b1 = cons.ranks[1].backend
+        real_poll = b1.poll
+
+        def poll(x: Any) -> Any:
+            if x.num_descriptors > 1:
+                raise RuntimeError("simulated binding error polling rank 1's READ")
+            return real_poll(x)
+
+        b1.poll = poll  # type: ignore[method-assign]
+        prod.hold("r", block_ids=[3, 4])
+        t = cons.read("r", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4],
+                      deadline_s=1.0)  # fmt: skip
+        assert _drive_any(t) is RequestState.FAILED
+        assert t.quarantined  # running, as far as anyone can tell
+        time.sleep(2.2)  # past deadline + lease_s
+        assert not t.quarantined and t.lingering == []
+        b1.poll = real_poll  # type: ignore[method-assign]

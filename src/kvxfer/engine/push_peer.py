@@ -12,7 +12,8 @@ from kvxfer.errors import KvxferError
 from kvxfer.layout.model import MemKind, region_places, single_place
 from kvxfer.planning.pairing import pair_layouts
 from kvxfer.planning.plans import PeerPlan
-from kvxfer.transport.nixl import PreparedList, XferHandle
+from kvxfer.transport.backend import XferHandleLike
+from kvxfer.transport.nixl import PreparedList
 from kvxfer.wire import LayoutRecord, PushRequest, layout_from_record
 
 __all__ = ["ConsumerPeer", "PushJob", "consumer_peer"]
@@ -39,7 +40,7 @@ class PushJob:
     sender: str  # agent that sent it: the job is bound to it
     req: PushRequest
     deadline: float  # local monotonic seconds
-    xfer: XferHandle | None = None
+    xfer: XferHandleLike | None = None
     fetched: bool = False  # its consumer's records were fetched once already
     parked: bool = False  # waiting for its consumer's records (still pending)
     key: tuple[int, str, int] = (0, "", 0)  # (rank, sender, attempt) as submitted

@@ -36,8 +36,8 @@ from kvxfer.errors import (
 )
 from kvxfer.planning.plans import PeerPlan
 from kvxfer.planning.request import RequestIds
-from kvxfer.transport.handles import release_each
-from kvxfer.transport.nixl import XferHandle, XferOp, XferState
+from kvxfer.transport.backend import XferHandleLike
+from kvxfer.transport.nixl import XferOp, XferState
 from kvxfer.wire import Abort, LeaseRenew, PushRequest, ReadDone, encode_msg
 
 __all__ = ["RequestContext", "Transfer", "new_attempt", "num_bytes"]
@@ -117,7 +117,7 @@ class Transfer(RequestEnd):
     finished_at: float = 0.0
     num_descriptors: int = 0
     num_bytes: int = 0
-    xfers: list[tuple[int, XferHandle]] = field(default_factory=list)  # (local rank, handle)
+    xfers: list[tuple[int, XferHandleLike]] = field(default_factory=list)  # (local rank, handle)
     notify: list[tuple[int, int]] = field(default_factory=list)  # (local rank, remote rank)
     expected: set[tuple[int, int]] = field(default_factory=set)  # push: (local, producer rank)
     generation: int | Mapping[int, int] | None = None  # the producer incarnation(s) holding it
@@ -141,7 +141,7 @@ class Transfer(RequestEnd):
     # READs still in progress when the request ended: not released (that does not stop
     # them), polled by `quarantined` until they end; one released by someone else (a
     # dropped peer's remove_remote) cannot be polled and counts until quarantine_until
-    lingering: list[tuple[int, XferHandle]] = field(default_factory=list)
+    lingering: list[tuple[int, XferHandleLike]] = field(default_factory=list)
     end_watched: bool = False  # its producer is probed until proven gone (a lost READ)
     _ended: threading.Event = field(default_factory=threading.Event, repr=False)
     _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -200,14 +200,18 @@ class Transfer(RequestEnd):
                     "quarantine (deadline + lease_s); released, its blocks are free "
                     "(see RequestState)", self.request_id, len(running),
                 )  # fmt: skip
-                release_each([x for _, x in running], "a READ past its quarantine")
+                for _, x in running:
+                    try:
+                        x.release()
+                    except Exception as e:  # left to the agent's teardown
+                        log.warning("request %r: release at the bound: %r", self.request_id, e)
                 running = []
             self.lingering = running
             return bool(running)
         finally:
             ctx.lock.release()
 
-    def _still_running(self, d: int, x: XferHandle) -> bool:
+    def _still_running(self, d: int, x: XferHandleLike) -> bool:
         """Poll a READ of this request; release it if it ended (done or failed). A release
         NIXL refuses (it could not cancel it) keeps it running. Engine lock held."""
         try:
@@ -215,10 +219,13 @@ class Transfer(RequestEnd):
                 return True
         except KvxferError:
             pass  # it failed: nothing more of it lands
+        except Exception as e:  # a binding bug: no verdict, so running until the bound
+            log.warning("request %r: polling a READ left running: %r", self.request_id, e)
+            return True
         try:
             x.release()
-        except KvxferError as e:
-            log.warning("request %r: release of an ended READ: %s", self.request_id, e)
+        except Exception as e:  # NIXL kept it (could not cancel): still running
+            log.warning("request %r: release of an ended READ: %r", self.request_id, e)
             return True
         return False
 
@@ -325,26 +332,27 @@ class Transfer(RequestEnd):
         return self.state
 
     def _fail_surely(self, error: KvxferError) -> None:
-        """:meth:`_fail`, and if failing raises (a bug, MemoryError), end FAILED anyway:
-        a later poll must never finish a half-done step DONE. What was posted then counts
-        as still running (quarantined until its bound)."""
+        """:meth:`_fail`, and if failing raises (a bug, MemoryError), end anyway: FAILED if
+        it was not terminal yet (a later poll must never finish a half-done step DONE;
+        what was posted then counts as running, quarantined until its bound), and its
+        end event and callbacks in any case (waiters would sleep until the deadline)."""
         try:
             self._fail(error)
         except Exception as e:
             log.exception("request %r: error while failing it", self.request_id)
-            if self.state.is_terminal:
-                return
-            self.lingering = self.lingering or [
-                (d, x) for d, x in self.xfers if not x.is_released
-            ]  # fmt: skip
-            self.xfers = []
-            self.quarantine_until = max(
-                self.quarantine_until, self.deadline + self.context.config.lease_s
-            )
-            self.error = TransferError(f"request {self.request_id!r}: {error}; then {e!r}")
-            self.finished_at = time.perf_counter()
-            self.state = RequestState.FAILED
-            self._ended_now()
+            if not self.state.is_terminal:
+                self.lingering = self.lingering or [
+                    (d, x) for d, x in self.xfers if x.is_lost or not x.is_released
+                ]  # fmt: skip
+                self.xfers = []
+                self.quarantine_until = max(
+                    self.quarantine_until, self.deadline + self.context.config.lease_s
+                )
+                self.error = TransferError(f"{error}; then failing it raised {e!r}")
+                self.finished_at = time.perf_counter()
+                self.state = RequestState.FAILED
+            if not self._ended.is_set():
+                self._ended_now()
 
     def _poll_xfers(self) -> None:
         backends = self.context.ranks

@@ -163,7 +163,7 @@ class NixlBackend:
             mem_kind: DRAM (host) or VRAM (device pointers); ConfigError if this NIXL's
                 UCX backend cannot move that kind.
         """
-        agent = self._live()
+        self._live()  # ClosedError once closed
         seg = segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         if not regions:
             raise LayoutError("no regions to register")
@@ -172,7 +172,7 @@ class NixlBackend:
                 raise LayoutError(f"region {i}: addr {addr}, nbytes {nbytes}, device {dev}")
         dlist = _nixl.nixlRegDList(seg, [(a, n, d, "") for a, n, d in regions])
         with translate("register_memory"):
-            agent.registerMem(dlist, [])
+            self._live().registerMem(dlist, [])
         self._registered.append(dlist)
 
     def metadata(self) -> bytes:
@@ -198,14 +198,14 @@ class NixlBackend:
         Returns:
             The remote agent's name.
         """
-        agent = self._live()
+        self._live()  # ClosedError once closed
         if not isinstance(blob, bytes) or not blob:
             raise ProtocolError("agent metadata must be non-empty bytes")
         known = peek_agent_name(blob)
         if known is not None and known in self._remotes:
             self.remove_remote(known)
         with translate("add_remote_agent", known, nixlMismatchError=ProtocolError):
-            raw = agent.loadRemoteMD(blob)
+            raw = self._live().loadRemoteMD(blob)
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._remotes.add(name)
         return name
@@ -216,7 +216,7 @@ class NixlBackend:
         Args:
             name: remote agent name returned by :meth:`add_remote`.
         """
-        agent = self._live()
+        self._live()  # ClosedError once closed
         for xfer in [x for x in self._xfers.values() if x.remote_agent == name]:
             with contextlib.suppress(KvxferError):
                 self.release(xfer)
@@ -228,7 +228,7 @@ class NixlBackend:
         if name in self._remotes:
             self._remotes.discard(name)
             with translate("remove_remote_agent", name):
-                agent.invalidateRemoteMD(name)
+                self._live().invalidateRemoteMD(name)
 
     def prepare(
         self,
@@ -252,7 +252,7 @@ class NixlBackend:
         Returns:
             The prepared list; indices into it are flat, view-major and block-minor.
         """
-        agent = self._live()
+        self._live()  # ClosedError once closed
         seg = segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         rows, num = check_rows(rows)
         width = rows.shape[1]
@@ -264,7 +264,7 @@ class NixlBackend:
         if width == 5 and strided and self._strided_ok:
             try:
                 with translate(action, peer):
-                    handle = agent.prepXferDlist(target, seg, rows, [])
+                    handle = self._live().prepXferDlist(target, seg, rows, [])
             except TypeError:  # this NIXL has no (N, 5) overload: expand below
                 self._strided_ok = False
         is_strided = handle is not None
@@ -272,7 +272,7 @@ class NixlBackend:
             dense = dense_rows(rows) if width == 5 else rows  # (num, 3) uint64
             dlist = _nixl.nixlXferDList(seg, dense)
             with translate(action, peer):
-                handle = agent.prepXferDlist(target, dlist, [])
+                handle = self._live().prepXferDlist(target, dlist, [])
         plist = PreparedList(self, int(handle), num, is_strided, remote_agent)
         self._prepared[int(handle)] = plist
         return plist
@@ -307,7 +307,7 @@ class NixlBackend:
         Returns:
             A handle to :meth:`post`, :meth:`poll` and :meth:`release`.
         """
-        agent = self._live()
+        self._live()  # ClosedError once closed
         op = XferOp(op)
         if local.remote_agent is not None or remote.remote_agent is None:
             raise LayoutError("make_xfer needs a local list first, then a remote list")
@@ -321,7 +321,7 @@ class NixlBackend:
             if notif and self._auth_key is not None:
                 notif = seal_notification(self._auth_key, self.name, notif,
                                           receiver_agent=remote.remote_agent)  # fmt: skip
-            raw = agent.makeXferReq(code, lhandle, lids, rhandle, rids, notif, [], False)
+            raw = self._live().makeXferReq(code, lhandle, lids, rhandle, rids, notif, [], False)
         xfer = XferHandle(self, int(raw), op, remote.remote_agent, int(lids.size))
         self._xfers[xfer._live()] = xfer
         return xfer
@@ -367,10 +367,10 @@ class NixlBackend:
         if handle is None:
             return
         self._xfers.pop(handle, None)
-        agent = self._live()  # closed: the agent took its transfers with it
+        self._live()  # closed: the agent took its transfers with it
         try:
             with translate("release_xfer_handle", xfer.remote_agent):
-                agent.releaseXferReq(handle)
+                self._live().releaseXferReq(handle)
         except KvxferError:
             # NIXL could not cancel it and kept the handle (it may still land): so do we,
             # so the caller can poll it and release it again once it ended
