@@ -8,6 +8,7 @@ relayout interrupted halfway ran again and scrambled what it had already put in 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -214,7 +215,9 @@ def test_a_request_whose_failure_raises_after_it_turned_terminal_still_ends() ->
         s.close()
 
 
-def test_a_poll_that_raises_anything_keeps_the_read_quarantined_to_its_bound() -> None:
+def test_a_poll_that_raises_anything_keeps_the_read_quarantined_to_its_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A poll raising a non-kvxfer error (a binding bug) on a READ left running made every
     later `quarantined` raise (in the vLLM worker's step, in the inbox thread), before
     and after its bound (found by a review). Now the READ counts as running until the
@@ -246,6 +249,55 @@ def test_a_poll_that_raises_anything_keeps_the_read_quarantined_to_its_bound() -
                       deadline_s=1.0)  # fmt: skip
         assert _drive_any(t) is RequestState.FAILED
         assert t.quarantined  # running, as far as anyone can tell
+        for _ in range(20):  # polled every 10 ms by the inbox thread too: one warning
+            assert t.quarantined
+        warned = [r for r in caplog.records
+                  if r.levelname == "WARNING" and "polling a READ left running" in r.message]  # fmt: skip
+        assert len(warned) == 1, len(warned)
         time.sleep(2.2)  # past deadline + lease_s
         assert not t.quarantined and t.lingering == []
         b1.poll = real_poll  # type: ignore[method-assign]
+
+
+def test_a_rescue_that_fails_partway_never_ends_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Failing raised an exception whose repr raised MemoryError: the rescue had emptied
+    the request's transfers before turning it FAILED, so cancel() raised, the request
+    stayed PENDING with nothing to poll, and the next poll finished it DONE while rank
+    1's READ still ran (found by a review)."""
+    from kvxfer.testing import MemoryBackend
+    from kvxfer.transport.backend import XferState
+
+    class BadRepr(RuntimeError):
+        def __repr__(self) -> str:
+            raise MemoryError("repr under memory pressure")
+
+    ps = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
+    pb = allocate_cache(ps)
+    fill(ps, pb)
+    specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16) for r in (0, 1)]
+    sides = [(s, allocate_cache(s)) for s in specs]
+    with (
+        Producer(EngineConfig("mp", model_name="tiny-gqa"), [(ps, pb)],
+                 backend_factory=MemoryBackend) as prod,
+        Consumer(EngineConfig("md", model_name="tiny-gqa"), sides,
+                 backend_factory=MemoryBackend) as cons,
+    ):  # fmt: skip
+        b1 = cons.ranks[1].backend
+        b1.poll = lambda x: XferState.IN_PROGRESS  # type: ignore[method-assign,assignment]
+        prod.hold("r", block_ids=[3, 4])
+        t = cons.read("r", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4],
+                      deadline_s=10.0)  # fmt: skip
+        end = time.monotonic() + 5
+        while not t.posted_at and time.monotonic() < end:
+            t.poll()
+            time.sleep(0.002)
+
+        def bad_fail(self: Any, err: Any) -> None:
+            raise BadRepr("bug while failing")
+
+        monkeypatch.setattr(transfer_mod.Transfer, "_fail", bad_fail)
+        with contextlib.suppress(MemoryError):  # (it escaped cancel() before the fix)
+            t.cancel()
+        monkeypatch.undo()
+        assert t.poll() is RequestState.FAILED
+        assert t.quarantined  # rank 1's READ still runs

@@ -33,4 +33,4 @@ def test_close_stops_the_agent_while_an_error_of_its_calls_is_kept() -> None:
     while _threads() > base and time.monotonic() < end:
         gc.collect()
         time.sleep(0.05)
-    assert _threads() == base, f"{_threads() - base} agent thread(s) outlived close"
+    assert _threads() <= base, f"{_threads() - base} agent thread(s) outlived close"

@@ -143,6 +143,7 @@ class Transfer(RequestEnd):
     # dropped peer's remove_remote) cannot be polled and counts until quarantine_until
     lingering: list[tuple[int, XferHandleLike]] = field(default_factory=list)
     end_watched: bool = False  # its producer is probed until proven gone (a lost READ)
+    linger_warned: bool = False  # a lingering READ's poll failure was logged as a warning
     _ended: threading.Event = field(default_factory=threading.Event, repr=False)
     _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -220,14 +221,22 @@ class Transfer(RequestEnd):
         except KvxferError:
             pass  # it failed: nothing more of it lands
         except Exception as e:  # a binding bug: no verdict, so running until the bound
-            log.warning("request %r: polling a READ left running: %r", self.request_id, e)
+            self._warn_once("polling a READ left running", e)
             return True
         try:
             x.release()
         except Exception as e:  # NIXL kept it (could not cancel): still running
-            log.warning("request %r: release of an ended READ: %r", self.request_id, e)
+            self._warn_once("release of an ended READ", e)
             return True
         return False
+
+    def _warn_once(self, what: str, e: BaseException) -> None:
+        """Log a lingering READ's poll or release failure: once as a warning, then at
+        debug (it is polled every 10 ms until its bound)."""
+        level = logging.DEBUG if self.linger_warned else logging.WARNING
+        self.linger_warned = True
+        log.log(level, "request %r: %s: %r (polled again until the quarantine's bound)",
+                self.request_id, what, e)  # fmt: skip
 
     def cancel(self) -> RequestState:
         """Give up on the request: it ends ABORTED (unless already terminal) and the
@@ -341,16 +350,19 @@ class Transfer(RequestEnd):
         except Exception as e:
             log.exception("request %r: error while failing it", self.request_id)
             if not self.state.is_terminal:
+                self.state = RequestState.FAILED  # first: nothing below may leave it PENDING
+                self.finished_at = time.perf_counter()
+                self.quarantine_until = max(
+                    self.quarantine_until, self.deadline + self.context.config.lease_s
+                )
                 self.lingering = self.lingering or [
                     (d, x) for d, x in self.xfers if x.is_lost or not x.is_released
                 ]  # fmt: skip
                 self.xfers = []
-                self.quarantine_until = max(
-                    self.quarantine_until, self.deadline + self.context.config.lease_s
-                )
-                self.error = TransferError(f"{error}; then failing it raised {e!r}")
-                self.finished_at = time.perf_counter()
-                self.state = RequestState.FAILED
+                try:
+                    self.error = TransferError(f"{error}; then failing it raised {e!r}")
+                except Exception:  # a repr that raises (MemoryError)
+                    self.error = TransferError(f"request {self.request_id!r} failed")
             if not self._ended.is_set():
                 self._ended_now()
 

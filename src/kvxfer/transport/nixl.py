@@ -163,7 +163,7 @@ class NixlBackend:
             mem_kind: DRAM (host) or VRAM (device pointers); ConfigError if this NIXL's
                 UCX backend cannot move that kind.
         """
-        self._live()  # ClosedError once closed
+        self._live()  # TransferError once closed
         seg = segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         if not regions:
             raise LayoutError("no regions to register")
@@ -198,7 +198,7 @@ class NixlBackend:
         Returns:
             The remote agent's name.
         """
-        self._live()  # ClosedError once closed
+        self._live()  # TransferError once closed
         if not isinstance(blob, bytes) or not blob:
             raise ProtocolError("agent metadata must be non-empty bytes")
         known = peek_agent_name(blob)
@@ -216,7 +216,7 @@ class NixlBackend:
         Args:
             name: remote agent name returned by :meth:`add_remote`.
         """
-        self._live()  # ClosedError once closed
+        self._live()  # TransferError once closed
         for xfer in [x for x in self._xfers.values() if x.remote_agent == name]:
             with contextlib.suppress(KvxferError):
                 self.release(xfer)
@@ -252,7 +252,7 @@ class NixlBackend:
         Returns:
             The prepared list; indices into it are flat, view-major and block-minor.
         """
-        self._live()  # ClosedError once closed
+        self._live()  # TransferError once closed
         seg = segment(check_mem_kind(mem_kind, self.mem_kinds, f"NIXL UCX ({self.name!r})"))
         rows, num = check_rows(rows)
         width = rows.shape[1]
@@ -307,7 +307,7 @@ class NixlBackend:
         Returns:
             A handle to :meth:`post`, :meth:`poll` and :meth:`release`.
         """
-        self._live()  # ClosedError once closed
+        self._live()  # TransferError once closed
         op = XferOp(op)
         if local.remote_agent is not None or remote.remote_agent is None:
             raise LayoutError("make_xfer needs a local list first, then a remote list")
