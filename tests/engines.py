@@ -3,7 +3,8 @@ this process over real NIXL (the producer's cache filled with the verifiable pat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -13,7 +14,7 @@ from kvxfer.layout.spec import LayoutSpec
 from kvxfer.testing import fill
 from kvxfer.testing.ports import free_port
 
-__all__ = ["free_port", "local_pair"]
+__all__ = ["free_port", "local_pair", "until"]
 
 
 @contextmanager
@@ -33,3 +34,13 @@ def local_pair(
         ) as cons,
     ):
         yield spec, local, prod, cons
+
+
+def until(cond: Callable[[], object], within_s: float) -> bool:
+    """Whether ``cond()`` became true within ``within_s`` (polled every 10 ms)."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False

@@ -20,7 +20,7 @@ from kvxfer.layout.presets import spec_for
 from kvxfer.testing import MemoryBackend
 from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import PushRequest, encode_msg
-from tests.engines import local_pair
+from tests.engines import local_pair, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,15 +41,6 @@ def _alive(name: str) -> int:
     return sum(t.name == name and t.is_alive() for t in threading.enumerate())
 
 
-def _until(cond: object, within_s: float) -> bool:
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_a_cancelled_fetch_ends_at_once_saying_so(silent: str) -> None:
     cancel = threading.Event()
     threading.Timer(0.2, cancel.set).start()
@@ -63,7 +54,7 @@ def test_close_ends_a_first_contact_in_flight(silent: str) -> None:
     with local_pair(handshake_timeout_s=TIMEOUT_S) as (_, _, _, cons):
         base = _alive("kvxfer-handshake")
         t = cons.read("r", silent, local_block_ids=[0], remote_block_ids=[0], deadline_s=30)
-        assert _until(lambda: _alive("kvxfer-handshake") > base, 2)
+        assert until(lambda: _alive("kvxfer-handshake") > base, 2)
         t0 = time.monotonic()
         cons.close()
         took = time.monotonic() - t0
@@ -81,7 +72,7 @@ def test_close_ends_a_recheck_in_flight() -> None:
         other = prod.generation ^ 1  # a request pinned elsewhere: the consumer rechecks
         t = cons.read("pinned", prod.address, local_block_ids=[1], remote_block_ids=[1],
                       generation=other, deadline_s=30)  # fmt: skip
-        assert _until(lambda: (t.poll(), _alive("kvxfer-recheck"))[1] > 0, 2)
+        assert until(lambda: (t.poll(), _alive("kvxfer-recheck"))[1] > 0, 2)
         t0 = time.monotonic()
         cons.close()
         took = time.monotonic() - t0
@@ -98,7 +89,7 @@ def test_close_ends_a_push_fetch_in_flight(silent: str) -> None:
         kw = {"attempt": 1, "budget_ms": 30000, "sent_at_ns": time.time_ns()}
         bad = PushRequest("f", peer.generations[0], silent, 0, 1, (2,), (3,), **kw)
         backend.send_notif(peer.agents[0], encode_msg(bad))  # the producer fetches `silent`
-        assert _until(lambda: _alive("kvxfer-push-fetch") > 0, 3)
+        assert until(lambda: _alive("kvxfer-push-fetch") > 0, 3)
         t0 = time.monotonic()
         prod.close()
         took = time.monotonic() - t0
@@ -171,10 +162,10 @@ def test_close_from_an_end_callback_does_not_wait_for_contacts(silent: str) -> N
         t = cons.read("r", prod.address, local_block_ids=[1], remote_block_ids=[2], deadline_s=5)
         t.on_end(on_end)
         assert t.wait(10) is RequestState.DONE
-        assert _until(lambda: took, 7), "the end callback did not run"
+        assert until(lambda: took, 7), "the end callback did not run"
         assert took[0] < 1.0, took
         assert stuck.state is RequestState.ABORTED
-        assert _until(lambda: _alive("kvxfer-handshake") == 0, 2)
+        assert until(lambda: _alive("kvxfer-handshake") == 0, 2)
 
 
 def test_close_ends_contacts_queued_behind_max_contacts() -> None:

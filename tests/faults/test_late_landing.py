@@ -26,22 +26,13 @@ from kvxfer.engine.config import RequestState
 from kvxfer.errors import TransferError
 from kvxfer.transport.nixl import NixlBackend, XferOp, XferState
 from kvxfer.wire import encode_msg
-from tests.engines import local_pair
+from tests.engines import local_pair, until
 
 from .procs import clear, ids, make_consumer, start_all, verify, wait_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 NB = 256
-
-
-def _until(cond: object, within_s: float) -> bool:
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_a_timed_out_read_over_tcp_never_lands_in_reused_blocks(
@@ -75,7 +66,7 @@ def test_a_timed_out_read_over_tcp_never_lands_in_reused_blocks(
         a.signal(signal.SIGCONT)
     # the producer runs again: its GET is served, NIXL reports the READ ended, and only
     # then are the blocks free
-    assert _until(lambda: not stalled.quarantined, 20), "the quarantine did not end"
+    assert until(lambda: not stalled.quarantined, 20), "the quarantine did not end"
     t = cons.read("new", b.address, local_block_ids=lids, remote_block_ids=np.arange(n, 2 * n))
     assert t.wait(20) is RequestState.DONE, t.error
     time.sleep(1.0)  # a late READ would land now
@@ -128,7 +119,7 @@ def test_a_read_nixl_cannot_cancel_keeps_its_blocks_quarantined(
     for k in stuck:  # NIXL finished it: now it can be released, without anyone asking
         stuck[k] = True  # (the consumer's inbox thread polls READs left running)
     backend = cons.ranks[0].backend
-    assert _until(lambda: backend._xfers == {}, 5), "the READ's handle was not released"
+    assert until(lambda: backend._xfers == {}, 5), "the READ's handle was not released"
     assert not t.quarantined and t.lingering == []
 
 
@@ -158,42 +149,54 @@ def test_a_read_released_with_its_dropped_peer_stays_quarantined_until_it_is_gon
         assert t.wait(10) is want, (t.state, t.error)
         assert t.quarantined
         # the heartbeat drops the silent producer (its READs go with its agent)
-        assert _until(lambda: a.address not in cons._peers, 10)
+        assert until(lambda: a.address not in cons._peers, 10)
         assert all(x.is_lost for _, x in t.lingering) and t.quarantined
     finally:
         a.signal(signal.SIGCONT)
     time.sleep(1.0)  # running again: the same process, not proven gone
     assert t.quarantined
     a.kill()
-    assert _until(lambda: not t.quarantined, 10), "not released once the producer was gone"
+    assert until(lambda: not t.quarantined, 10), "not released once the producer was gone"
 
 
-def _gate_writes(monkeypatch: pytest.MonkeyPatch) -> dict[int, bool]:
-    """WRITEs posted from now on report IN_PROGRESS until their gate opens (True): a
-    WRITE NIXL still runs (to a slow or stopped consumer). Their bytes have landed, but
-    their WriteDone is not sent (NIXL would send it when the WRITE ends)."""
+def _hold_in_progress(
+    monkeypatch: pytest.MonkeyPatch,
+    op: XferOp,
+    *,
+    first_only: bool = False,
+    drop_notif: bool = False,
+) -> dict[int, bool]:
+    """Transfers of ``op`` posted from now on (data READs: more than one descriptor; only
+    the first one with ``first_only``) report IN_PROGRESS until their gate opens (set
+    True): NIXL still runs them, as to a slow or stopped peer. Their bytes have landed;
+    with ``drop_notif`` their notification is not sent (NIXL sends it when they end)."""
     gate: dict[int, bool] = {}
     real_post, real_poll, real_make = NixlBackend.post, NixlBackend.poll, NixlBackend.make_xfer
 
-    def make_xfer(self: NixlBackend, op, local, lids, remote, rids, notif=b""):  # type: ignore[no-untyped-def]
-        return real_make(self, op, local, lids, remote, rids, b"" if op is XferOp.WRITE else notif)
+    def make_xfer(self: NixlBackend, xop, local, lids, remote, rids, notif=b""):  # type: ignore[no-untyped-def]
+        drop = drop_notif and xop is op
+        return real_make(self, xop, local, lids, remote, rids, b"" if drop else notif)
 
     def post(self: NixlBackend, x):  # type: ignore[no-untyped-def]
         state = real_post(self, x)
-        if x.op is XferOp.WRITE:
+        data = op is XferOp.WRITE or x.num_descriptors > 1
+        if x.op is op and data and not (first_only and gate):
             gate[id(x)] = False
             return XferState.IN_PROGRESS
         return state
 
     def poll(self: NixlBackend, x):  # type: ignore[no-untyped-def]
-        if id(x) in gate and not gate[id(x)]:
-            return XferState.IN_PROGRESS
-        return real_poll(self, x)
+        state = real_poll(self, x)
+        return XferState.IN_PROGRESS if gate.get(id(x)) is False else state
 
     monkeypatch.setattr(NixlBackend, "make_xfer", make_xfer)
     monkeypatch.setattr(NixlBackend, "post", post)
     monkeypatch.setattr(NixlBackend, "poll", poll)
     return gate
+
+
+def _gate_writes(monkeypatch: pytest.MonkeyPatch) -> dict[int, bool]:
+    return _hold_in_progress(monkeypatch, XferOp.WRITE, drop_notif=True)
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
@@ -210,7 +213,7 @@ def test_a_push_is_confirmed_cancelled_only_once_its_write_ended(
         gate = _gate_writes(monkeypatch)
         t = cons.push("slow", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4],
                       deadline_s=5.0 if how == "cancel" else 1.0)  # fmt: skip
-        assert _until(lambda: (t.poll(), gate)[1], 5), "no WRITE was posted"
+        assert until(lambda: (t.poll(), gate)[1], 5), "no WRITE was posted"
         if how == "cancel":
             assert t.cancel() is RequestState.ABORTED
         else:
@@ -219,7 +222,7 @@ def test_a_push_is_confirmed_cancelled_only_once_its_write_ended(
         assert t.quarantined, "the producer confirmed while its WRITE still ran"
         for k in gate:
             gate[k] = True
-        assert _until(lambda: not t.quarantined, 5), "no confirmation once the WRITE ended"
+        assert until(lambda: not t.quarantined, 5), "no confirmation once the WRITE ended"
 
 
 def test_an_abort_of_a_queued_push_survives_a_flood_of_other_aborts(
@@ -250,17 +253,17 @@ def test_an_abort_of_a_queued_push_survives_a_flood_of_other_aborts(
         def queued(kind: str) -> bool:
             return any(c is not None and c[0] == kind for c in list(pusher._jobs.queue))
 
-        assert _until(lambda: (t.poll(), queued("push"))[1], 5)
+        assert until(lambda: (t.poll(), queued("push"))[1], 5)
         assert t.cancel() is RequestState.ABORTED
-        assert _until(lambda: queued("cancel"), 5)  # the producer thread passed its Abort
+        assert until(lambda: queued("cancel"), 5)  # the producer thread passed its Abort
         for i in range(5000):  # other consumers' Aborts, as the producer thread passes them
             pusher.cancel(0, "another-agent", f"r{i}", i + 1)
         go.set()
-        assert _until(lambda: pusher._jobs.qsize() == 0, 5)
+        assert until(lambda: pusher._jobs.qsize() == 0, 5)
         time.sleep(0.5)
         landed = sum(int(np.count_nonzero(b)) for b in local)
         assert landed == 0, f"{landed} bytes of a cancelled push were written"
-        assert _until(lambda: not t.quarantined, 5)
+        assert until(lambda: not t.quarantined, 5)
 
 
 def test_a_push_the_producer_cancelled_ends_at_once_not_at_its_deadline(
@@ -277,7 +280,7 @@ def test_a_push_the_producer_cancelled_ends_at_once_not_at_its_deadline(
         gate = _gate_writes(monkeypatch)
         t = cons.push("slow", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4],
                       deadline_s=20.0)  # fmt: skip
-        assert _until(lambda: (t.poll(), gate)[1], 5), "no WRITE was posted"
+        assert until(lambda: (t.poll(), gate)[1], 5), "no WRITE was posted"
         for k in gate:
             gate[k] = True
         peer = cons._peers[prod.address]
@@ -290,25 +293,9 @@ def test_a_push_the_producer_cancelled_ends_at_once_not_at_its_deadline(
         assert not t.quarantined
 
 
-def _stuck_reads(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+def _stuck_reads(monkeypatch: pytest.MonkeyPatch) -> dict[int, bool]:
     """The next data READ posted reports IN_PROGRESS for good (NIXL still runs it)."""
-    stuck: set[int] = set()
-    real_post, real_poll = NixlBackend.post, NixlBackend.poll
-
-    def post(self: NixlBackend, x):  # type: ignore[no-untyped-def]
-        state = real_post(self, x)
-        if x.op is XferOp.READ and x.num_descriptors > 1 and not stuck:
-            stuck.add(id(x))
-            return XferState.IN_PROGRESS
-        return state
-
-    def poll(self: NixlBackend, x):  # type: ignore[no-untyped-def]
-        state = real_poll(self, x)
-        return XferState.IN_PROGRESS if id(x) in stuck else state
-
-    monkeypatch.setattr(NixlBackend, "post", post)
-    monkeypatch.setattr(NixlBackend, "poll", poll)
-    return stuck
+    return _hold_in_progress(monkeypatch, XferOp.READ, first_only=True)
 
 
 @pytest.mark.parametrize("where", ["caller", "end callback"])
@@ -323,7 +310,7 @@ def test_close_with_a_read_still_running_is_prompt(
         prod.hold("b", 2)
         stuck = _stuck_reads(monkeypatch)
         a = cons.read("a", prod.address, local_block_ids=ids(0, 1), remote_block_ids=ids(0, 1))
-        assert _until(lambda: (a.poll(), stuck)[1], 5)
+        assert until(lambda: (a.poll(), stuck)[1], 5)
         assert a.cancel() is RequestState.ABORTED and a.quarantined
         took: list[float] = []
 
@@ -340,7 +327,7 @@ def test_close_with_a_read_still_running_is_prompt(
                           remote_block_ids=ids(2, 3))  # fmt: skip
             b.on_end(close)
             assert b.wait(20) is RequestState.DONE, b.error
-            assert _until(lambda: took, 10)
+            assert until(lambda: took, 10)
         assert took[0] < 1.0, f"close took {took[0]:.2f} s"
         assert not a.quarantined  # closed: its agent and worker are gone, nothing lands
 
@@ -406,7 +393,7 @@ def test_a_read_left_running_stays_quarantined_until_close_has_closed_the_agents
         prod.hold("a", 2)
         stuck = _stuck_reads(monkeypatch)
         a = cons.read("a", prod.address, local_block_ids=ids(0, 1), remote_block_ids=ids(0, 1))
-        assert _until(lambda: (a.poll(), stuck)[1], 5)
+        assert until(lambda: (a.poll(), stuck)[1], 5)
         assert a.cancel() is RequestState.ABORTED and a.quarantined
         real_close = waiting.Progress.close
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, allocate_cache
 from kvxfer.engine import transfer as transfer_mod
 from kvxfer.layout.presets import spec_for
-from kvxfer.testing import fill, mismatches
+from kvxfer.testing import MemoryBackend, fill, mismatches
 
 
 def _drive(t: Any) -> RequestState:
@@ -28,22 +29,34 @@ def _drive(t: Any) -> RequestState:
         try:
             if t.poll().is_terminal:
                 break
-        except MemoryError:  # before the fix, the step's exception reached the caller
+        except Exception:  # before the fixes, the step's exception reached the caller
             pass
         time.sleep(0.002)
     return RequestState(t.state)
 
 
-def test_a_post_that_fails_on_one_rank_fails_the_request() -> None:
+@contextlib.contextmanager
+def _fan_in(memory: bool = False, **consumer: Any) -> Iterator[tuple[Producer, Consumer]]:
+    """A producer of TP 1 (its cache filled with the pattern) and a consumer of TP 2 in
+    this process: each request posts a READ on each consumer rank. Real NIXL, or the
+    in-memory backend."""
+    factory = MemoryBackend if memory else None
     ps = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
     pb = allocate_cache(ps)
     fill(ps, pb)
     specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16) for r in (0, 1)]
     sides = [(s, allocate_cache(s)) for s in specs]
     with (
-        Producer(EngineConfig("p", model_name="tiny-gqa"), [(ps, pb)]) as prod,
-        Consumer(EngineConfig("d", model_name="tiny-gqa"), sides) as cons,
-    ):
+        Producer(EngineConfig("p", model_name="tiny-gqa"), [(ps, pb)],
+                 backend_factory=factory) as prod,
+        Consumer(EngineConfig("d", model_name="tiny-gqa", **consumer), sides,
+                 backend_factory=factory) as cons,
+    ):  # fmt: skip
+        yield prod, cons
+
+
+def test_a_post_that_fails_on_one_rank_fails_the_request() -> None:
+    with _fan_in() as (prod, cons):
         backend = cons.ranks[1].backend
         real, armed = backend.make_xfer, [True]
 
@@ -61,6 +74,8 @@ def test_a_post_that_fails_on_one_rank_fails_the_request() -> None:
         prod.hold("r2", block_ids=[5, 6])  # the engine goes on: the next read is whole
         t2 = cons.read("r2", prod.address, local_block_ids=[7, 8], remote_block_ids=[5, 6])
         assert t2.wait(20) is RequestState.DONE, t2.error
+        ps = prod.ranks[0].spec
+        sides = [(c.spec, c.host_bufs()) for c in cons.ranks.values()]
         assert [mismatches(s, b, ps, [7, 8], [5, 6]) for s, b in sides] == [0, 0]
 
 
@@ -96,19 +111,8 @@ def test_a_post_that_fails_on_one_rank_fails_the_request_on_the_memory_seam() ->
     """The same on the in-memory backend, whose transfers lacked ``is_lost``: the failed
     request's end raised AttributeError out of poll (found while reviewing the lingering
     READs: a transfer posted on rank 0 was still in the request when rank 1 failed)."""
-    from kvxfer.testing import MemoryBackend
 
-    ps = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
-    pb = allocate_cache(ps)
-    fill(ps, pb)
-    specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16) for r in (0, 1)]
-    sides = [(s, allocate_cache(s)) for s in specs]
-    with (
-        Producer(EngineConfig("mp", model_name="tiny-gqa"), [(ps, pb)],
-                 backend_factory=MemoryBackend) as prod,
-        Consumer(EngineConfig("md", model_name="tiny-gqa"), sides,
-                 backend_factory=MemoryBackend) as cons,
-    ):  # fmt: skip
+    with _fan_in(memory=True) as (prod, cons):
         backend = cons.ranks[1].backend
         real = backend.make_xfer
 
@@ -133,15 +137,7 @@ def test_a_request_whose_failure_itself_raises_still_ends_failed(
     the request PENDING and its READ posted on one rank: the next poll finished it DONE
     with the other rank never written (65,286 wrong bytes, measured by a review on the
     memory seam). Now it ends FAILED, and what it posted counts as still running."""
-    ps = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
-    pb = allocate_cache(ps)
-    fill(ps, pb)
-    specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16) for r in (0, 1)]
-    sides = [(s, allocate_cache(s)) for s in specs]
-    with (
-        Producer(EngineConfig("p", model_name="tiny-gqa"), [(ps, pb)]) as prod,
-        Consumer(EngineConfig("d", model_name="tiny-gqa"), sides) as cons,
-    ):
+    with _fan_in() as (prod, cons):
         backend = cons.ranks[1].backend
         real = backend.make_xfer
 
@@ -157,23 +153,10 @@ def test_a_request_whose_failure_itself_raises_still_ends_failed(
         monkeypatch.setattr(transfer_mod.Transfer, "_still_running", broken)
         prod.hold("r", block_ids=[3, 4])
         t = cons.read("r", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4])
-        state = _drive_any(t)
+        state = _drive(t)
         assert state is RequestState.FAILED, (state, t.error)
         monkeypatch.undo()
         backend.make_xfer = real  # type: ignore[method-assign]
-
-
-def _drive_any(t: Any) -> RequestState:
-    """Poll like a caller that keeps polling whatever a poll raises."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if t.poll().is_terminal:
-                break
-        except Exception:  # before the fix, the failing's exception reached the caller
-            pass
-        time.sleep(0.002)
-    return RequestState(t.state)
 
 
 def test_a_request_whose_failure_raises_after_it_turned_terminal_still_ends() -> None:
@@ -181,8 +164,6 @@ def test_a_request_whose_failure_raises_after_it_turned_terminal_still_ends() ->
     and end come later): the end event was never set and callbacks never ran, so wait(),
     wait_async() and as_completed slept until the deadline (found by a review)."""
     import socket
-
-    from kvxfer.testing import MemoryBackend
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -222,19 +203,8 @@ def test_a_poll_that_raises_anything_keeps_the_read_quarantined_to_its_bound(
     later `quarantined` raise (in the vLLM worker's step, in the inbox thread), before
     and after its bound (found by a review). Now the READ counts as running until the
     bound, then is released."""
-    from kvxfer.testing import MemoryBackend
 
-    ps = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
-    pb = allocate_cache(ps)
-    fill(ps, pb)
-    specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16) for r in (0, 1)]
-    sides = [(s, allocate_cache(s)) for s in specs]
-    with (
-        Producer(EngineConfig("mp", model_name="tiny-gqa"), [(ps, pb)],
-                 backend_factory=MemoryBackend) as prod,
-        Consumer(EngineConfig("md", model_name="tiny-gqa", lease_s=1.0), sides,
-                 backend_factory=MemoryBackend) as cons,
-    ):  # fmt: skip
+    with _fan_in(memory=True, lease_s=1.0) as (prod, cons):
         b1 = cons.ranks[1].backend
         real_poll = b1.poll
 
@@ -247,7 +217,7 @@ def test_a_poll_that_raises_anything_keeps_the_read_quarantined_to_its_bound(
         prod.hold("r", block_ids=[3, 4])
         t = cons.read("r", prod.address, local_block_ids=[1, 2], remote_block_ids=[3, 4],
                       deadline_s=1.0)  # fmt: skip
-        assert _drive_any(t) is RequestState.FAILED
+        assert _drive(t) is RequestState.FAILED
         assert t.quarantined  # running, as far as anyone can tell
         for _ in range(20):  # polled every 10 ms by the inbox thread too: one warning
             assert t.quarantined
@@ -264,24 +234,13 @@ def test_a_rescue_that_fails_partway_never_ends_done(monkeypatch: pytest.MonkeyP
     the request's transfers before turning it FAILED, so cancel() raised, the request
     stayed PENDING with nothing to poll, and the next poll finished it DONE while rank
     1's READ still ran (found by a review)."""
-    from kvxfer.testing import MemoryBackend
     from kvxfer.transport.backend import XferState
 
     class BadRepr(RuntimeError):
         def __repr__(self) -> str:
             raise MemoryError("repr under memory pressure")
 
-    ps = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
-    pb = allocate_cache(ps)
-    fill(ps, pb)
-    specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=16) for r in (0, 1)]
-    sides = [(s, allocate_cache(s)) for s in specs]
-    with (
-        Producer(EngineConfig("mp", model_name="tiny-gqa"), [(ps, pb)],
-                 backend_factory=MemoryBackend) as prod,
-        Consumer(EngineConfig("md", model_name="tiny-gqa"), sides,
-                 backend_factory=MemoryBackend) as cons,
-    ):  # fmt: skip
+    with _fan_in(memory=True) as (prod, cons):
         b1 = cons.ranks[1].backend
         b1.poll = lambda x: XferState.IN_PROGRESS  # type: ignore[method-assign,assignment]
         prod.hold("r", block_ids=[3, 4])
