@@ -196,7 +196,7 @@ def _push_worker_with(handles: list[_Handle]):  # type: ignore[no-untyped-def]
 
     spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=4)
     prod = Producer(EngineConfig("p", model_name="tiny-gqa"), [(spec, allocate_cache(spec))])
-    prod._pusher._writes = [SimpleNamespace(xfer=h) for h in handles]
+    prod._pusher._writes = [SimpleNamespace(xfer=h, cancelled=False) for h in handles]
     return prod
 
 
