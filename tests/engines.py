@@ -3,6 +3,7 @@ this process over real NIXL (the producer's cache filled with the verifiable pat
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from kvxfer.layout.spec import LayoutSpec
 from kvxfer.testing import fill
 from kvxfer.testing.ports import free_port
 
-__all__ = ["free_port", "local_pair", "until"]
+__all__ = ["free_port", "local_pair", "silent_endpoints", "until"]
 
 
 @contextmanager
@@ -44,3 +45,20 @@ def until(cond: Callable[[], object], within_s: float) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+@contextmanager
+def silent_endpoints(n: int) -> Iterator[list[str]]:
+    """``n`` endpoints that accept TCP connections and never answer (wedged side
+    channels); closed after."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(8)
+            socks.append(s)
+        yield [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()

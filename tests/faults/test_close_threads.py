@@ -7,10 +7,9 @@ engines in this process, real ZMQ sockets that accept and never answer."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -20,7 +19,7 @@ from kvxfer.layout.presets import spec_for
 from kvxfer.testing import MemoryBackend
 from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import PushRequest, encode_msg
-from tests.engines import local_pair, until
+from tests.engines import local_pair, silent_endpoints, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,15 +29,23 @@ TIMEOUT_S = 8.0  # handshake_timeout_s: how long each fetch would wait without c
 @pytest.fixture
 def silent() -> Iterator[str]:
     """An endpoint that accepts TCP connections and never answers."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(8)
-    yield f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    with silent_endpoints(1) as (address,):
+        yield address
 
 
 def _alive(name: str) -> int:
     return sum(t.name == name and t.is_alive() for t in threading.enumerate())
+
+
+def _close_leaves_none(close: Callable[[], None], name: str, base: int = 0) -> None:
+    """``close()`` returns within 3 s and no thread named ``name`` (past ``base`` of
+    them) outlives it."""
+    t0 = time.monotonic()
+    close()
+    took = time.monotonic() - t0
+    left = _alive(name) - base
+    assert left == 0, f"{left} {name} thread(s) outlived close ({took:.2f} s)"
+    assert took < 3.0, f"close took {took:.2f} s"
 
 
 def test_a_cancelled_fetch_ends_at_once_saying_so(silent: str) -> None:
@@ -55,12 +62,7 @@ def test_close_ends_a_first_contact_in_flight(silent: str) -> None:
         base = _alive("kvxfer-handshake")
         t = cons.read("r", silent, local_block_ids=[0], remote_block_ids=[0], deadline_s=30)
         assert until(lambda: _alive("kvxfer-handshake") > base, 2)
-        t0 = time.monotonic()
-        cons.close()
-        took = time.monotonic() - t0
-        left = _alive("kvxfer-handshake") - base
-        assert left == 0, f"{left} first-contact thread(s) outlived close ({took:.2f} s)"
-        assert took < 3.0, f"close took {took:.2f} s"
+        _close_leaves_none(cons.close, "kvxfer-handshake", base)
         assert t.state is RequestState.ABORTED
 
 
@@ -73,12 +75,7 @@ def test_close_ends_a_recheck_in_flight() -> None:
         t = cons.read("pinned", prod.address, local_block_ids=[1], remote_block_ids=[1],
                       generation=other, deadline_s=30)  # fmt: skip
         assert until(lambda: (t.poll(), _alive("kvxfer-recheck"))[1] > 0, 2)
-        t0 = time.monotonic()
-        cons.close()
-        took = time.monotonic() - t0
-        left = _alive("kvxfer-recheck")
-        assert left == 0, f"{left} recheck thread(s) outlived close ({took:.2f} s)"
-        assert took < 3.0, f"close took {took:.2f} s"
+        _close_leaves_none(cons.close, "kvxfer-recheck")
 
 
 def test_close_ends_a_push_fetch_in_flight(silent: str) -> None:
@@ -90,12 +87,7 @@ def test_close_ends_a_push_fetch_in_flight(silent: str) -> None:
         bad = PushRequest("f", peer.generations[0], silent, 0, 1, (2,), (3,), **kw)
         backend.send_notif(peer.agents[0], encode_msg(bad))  # the producer fetches `silent`
         assert until(lambda: _alive("kvxfer-push-fetch") > 0, 3)
-        t0 = time.monotonic()
-        prod.close()
-        took = time.monotonic() - t0
-        left = _alive("kvxfer-push-fetch")
-        assert left == 0, f"{left} push-fetch thread(s) outlived close ({took:.2f} s)"
-        assert took < 3.0, f"close took {took:.2f} s"
+        _close_leaves_none(prod.close, "kvxfer-push-fetch")
 
 
 def test_close_ends_a_heartbeat_probe_in_flight() -> None:
@@ -171,17 +163,11 @@ def test_close_from_an_end_callback_does_not_wait_for_contacts(silent: str) -> N
 def test_close_ends_contacts_queued_behind_max_contacts() -> None:
     """A producer queued behind ``max_contacts`` was never failed at close: a preconnect
     waiting on it kept close 5 s and outlived it by 2 x handshake_timeout_s."""
-    socks = []
-    for _ in range(2):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.listen(8)
-        socks.append(s)
-    try:
+    with silent_endpoints(2) as addresses:
         before = set(threading.enumerate())  # other tests' engines may still be closing
         cons = _memory_consumer(handshake_timeout_s=TIMEOUT_S, max_contacts=1)
-        for s in socks:
-            cons.preconnect([f"tcp://127.0.0.1:{s.getsockname()[1]}"])
+        for a in addresses:
+            cons.preconnect([a])
             time.sleep(0.2)
         t0 = time.monotonic()
         cons.close()
@@ -189,6 +175,3 @@ def test_close_ends_contacts_queued_behind_max_contacts() -> None:
         left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("kvxfer")]
         assert took < 2.0, f"close took {took:.2f} s"
         assert not left, f"threads outlived close: {left}"
-    finally:
-        for s in socks:
-            s.close()

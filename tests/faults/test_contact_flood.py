@@ -5,7 +5,6 @@ producer is served afterwards. Real NIXL engines and ZMQ sockets."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from kvxfer.engine import contact as contact_mod
 from kvxfer.errors import ConfigError
 from kvxfer.layout.presets import spec_for
 from kvxfer.testing import mismatches
-from tests.engines import local_pair
+from tests.engines import local_pair, silent_endpoints
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,15 +26,8 @@ SPEC = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=16)
 @pytest.fixture
 def silent() -> Iterator[list[str]]:
     """40 endpoints that accept TCP connections and never answer (wedged side channels)."""
-    socks = []
-    for _ in range(40):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.listen(8)
-        socks.append(s)
-    yield [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in socks]
-    for s in socks:
-        s.close()
+    with silent_endpoints(40) as addresses:
+        yield addresses
 
 
 def _contact_threads() -> int:

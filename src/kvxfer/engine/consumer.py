@@ -36,6 +36,7 @@ from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
 from kvxfer.engine.stats import EngineStats, StatsRecorder
+from kvxfer.engine.threads import ThreadSet
 from kvxfer.engine.transfer import RequestContext, Transfer
 from kvxfer.engine.waiting import Progress
 from kvxfer.errors import ClosedError, ConfigError, PeerLostError
@@ -84,7 +85,7 @@ class Consumer(FirstContact):
         self._closed = False
         self._agents_gone = False  # set by close() once its agents are closed
         self._closing = threading.Event()
-        self._helpers: set[threading.Thread] = set()
+        self._helpers = ThreadSet()
         self._ended_gens: OrderedDict[int, None] = OrderedDict()  # proven ended (under _lock)
         self._engine_lock = threading.RLock()  # NIXL calls + peer bookkeeping (see class doc)
         self.generation = new_generation()

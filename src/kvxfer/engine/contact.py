@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import NoReturn
 
@@ -25,6 +25,7 @@ from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import RankCache
+from kvxfer.engine.threads import ThreadSet
 from kvxfer.engine.transfer import Transfer
 from kvxfer.engine.waiting import Progress
 from kvxfer.errors import ClosedError, ConfigError, KvxferError, LayoutError, PeerLostError
@@ -51,7 +52,7 @@ class FirstContact:
     ranks: dict[int, RankCache]
     _closed: bool
     _closing: threading.Event  # set first thing in close(): cuts side-channel waits short
-    _helpers: set[threading.Thread]  # contact, preconnect, recheck threads (under _lock)
+    _helpers: ThreadSet  # contact, preconnect and recheck threads, joined by close()
     _lock: threading.Lock  # the peers dict
     _engine_lock: threading.RLock  # NIXL calls and peer bookkeeping
     _peers: dict[str, PeerInfo]
@@ -111,26 +112,8 @@ class FirstContact:
     def _start_preconnect(
         self, addresses: list[str], retry_for_s: float, interval_s: float
     ) -> threading.Thread:
-        return self._spawn(self._preconnect_loop, (addresses, retry_for_s, interval_s),
-                           "kvxfer-preconnect")  # fmt: skip
-
-    def _spawn(
-        self, target: Callable[..., None], args: tuple[object, ...], name: str
-    ) -> threading.Thread:
-        """Start a helper thread that ``close()`` joins (it removes itself when it ends)."""
-
-        def run() -> None:
-            try:
-                target(*args)
-            finally:
-                with self._lock:
-                    self._helpers.discard(threading.current_thread())
-
-        th = threading.Thread(target=run, name=name, daemon=True)
-        with self._lock:  # started under the lock: close() never joins an unstarted one
-            th.start()
-            self._helpers.add(th)
-        return th
+        return self._helpers.spawn(self._preconnect_loop, (addresses, retry_for_s, interval_s),
+                                   "kvxfer-preconnect")  # fmt: skip
 
     def _join_helpers(self, within_s: float) -> None:
         """Wait up to ``within_s`` in all for the helper threads (``_closing`` is set, so
@@ -140,12 +123,7 @@ class FirstContact:
             # cancelled contact needs that lock to end, so it is not waited for here
             log.debug("close under the engine lock: helper threads end on their own")
             return
-        end = time.monotonic() + within_s
-        with self._lock:
-            helpers = list(self._helpers)
-        for th in helpers:
-            th.join(max(0.0, end - time.monotonic()))
-        left = [th.name for th in helpers if th.is_alive()]
+        left = self._helpers.join(within_s)
         if left:
             log.error("close: %d helper thread(s) still running after %.0f s: %s",
                       len(left), within_s, left)  # fmt: skip
@@ -198,7 +176,7 @@ class FirstContact:
                 return peer
             self._peers[address] = peer
         if start:
-            self._spawn(self._contact_loop, (peer,), "kvxfer-handshake")
+            self._helpers.spawn(self._contact_loop, (peer,), "kvxfer-handshake")
         return peer
 
     def _contact_loop(self, peer: PeerInfo | None) -> None:
@@ -443,7 +421,7 @@ class FirstContact:
             self._wrong_pin(t)
         if t.recheck is None:
             t.recheck = Future()
-            self._spawn(self._fetch_generations, (t.peer, t.recheck), "kvxfer-recheck")
+            self._helpers.spawn(self._fetch_generations, (t.peer, t.recheck), "kvxfer-recheck")
             return
         if not t.recheck.done():
             return

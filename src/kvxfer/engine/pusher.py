@@ -34,6 +34,7 @@ from kvxfer.engine.config import CLOSE_JOIN_S
 from kvxfer.engine.holds import HoldVerdict, slot_of, verdict
 from kvxfer.engine.push_peer import ConsumerPeer, PushJob, consumer_peer
 from kvxfer.engine.rank import RankCache
+from kvxfer.engine.threads import ThreadSet
 from kvxfer.errors import (
     HoldEndedError,
     KvxferError,
@@ -116,11 +117,11 @@ class PushWorker:
         self._run_blocks = run_blocks
         self._jobs: queue.Queue[_Cmd] = queue.Queue()
         self._closing = threading.Event()  # set by close(): consumer fetches end at once
-        self._fetchers: set[threading.Thread] = set()  # kvxfer-push-fetch (under _lock)
+        self._fetchers = ThreadSet()  # kvxfer-push-fetch threads, joined by close()
         self._peers: dict[str, ConsumerPeer] = {}
         self._fetching: dict[str, list[PushJob]] = {}  # address -> jobs waiting for its records
         self._writes: list[PushJob] = []
-        self._lock = threading.Lock()  # cancel marks and _fetchers
+        self._lock = threading.Lock()  # cancel marks
         self._cancelled: OrderedDict[tuple[int, str, int], None] = OrderedDict()
         # attempts queued or parked here (how many jobs), and those of them cancelled:
         # exact, so no flood of other Aborts pushes a queued job's cancel out of the LRU
@@ -156,9 +157,7 @@ class PushWorker:
             if key in self._pending:
                 self._cancelled_pending.add(key)
             else:
-                self._cancelled[key] = None
-                while len(self._cancelled) > MAX_CANCELLED:
-                    self._cancelled.popitem(last=False)
+                self._remember_cancelled(key)
         self._jobs.put(("cancel", (rank, sender, request_id, attempt)))
 
     def close(self) -> None:
@@ -169,11 +168,8 @@ class PushWorker:
         self._jobs.put(None)
         end = time.monotonic() + CLOSE_JOIN_S
         self._thread.join(CLOSE_JOIN_S)
-        with self._lock:
-            fetchers = list(self._fetchers)
-        for th in fetchers:  # cancelled: each ends within CANCEL_POLL_S
-            th.join(max(0.0, end - time.monotonic()))
-        if any(th.is_alive() for th in fetchers):
+        # cancelled: each fetch ends within CANCEL_POLL_S
+        if self._fetchers.join(max(0.0, end - time.monotonic())):
             log.error("close: a consumer fetch did not stop within %.0f s", CLOSE_JOIN_S)
         if self._thread.is_alive():
             log.error("push thread did not stop within %.0f s; its %d WRITEs in flight are "
@@ -247,14 +243,17 @@ class PushWorker:
                 del self._pending[key]
                 if key in self._cancelled_pending:  # later jobs of it (none expected) too
                     self._cancelled_pending.discard(key)
-                    self._cancelled[key] = None
-                    while len(self._cancelled) > MAX_CANCELLED:
-                        self._cancelled.popitem(last=False)
+                    self._remember_cancelled(key)
+
+    def _remember_cancelled(self, key: tuple[int, str, int]) -> None:
+        """Mark an attempt not queued here cancelled, in the bounded LRU (lock held)."""
+        self._cancelled[key] = None
+        while len(self._cancelled) > MAX_CANCELLED:
+            self._cancelled.popitem(last=False)
 
     def _is_cancelled(self, job: PushJob) -> bool:
-        key = job.key
         with self._lock:
-            return key in self._cancelled_pending or key in self._cancelled
+            return job.key in self._cancelled_pending or job.key in self._cancelled
 
     def _confirm(self, job: PushJob) -> None:
         """Tell the job's consumer rank nothing more of this attempt will be written."""
@@ -279,7 +278,7 @@ class PushWorker:
         Otherwise ``Cancelled`` goes now (idempotent: also for jobs done or never seen)."""
         running = False
         for job in self._writes:
-            if (job.rank, job.sender, job.req.attempt) == (rank, sender, attempt):
+            if job.key == (rank, sender, attempt):
                 job.cancelled = True
                 running = True
         if not running:
@@ -318,12 +317,7 @@ class PushWorker:
 
     def _start_fetch(self, address: str, jobs: list[PushJob]) -> None:
         self._fetching[address] = jobs
-        th = threading.Thread(
-            target=self._fetch, args=(address,), name="kvxfer-push-fetch", daemon=True
-        )
-        with self._lock:  # started under the lock: close() never joins an unstarted one
-            th.start()
-            self._fetchers.add(th)
+        self._fetchers.spawn(self._fetch, (address,), "kvxfer-push-fetch")
 
     def _fetch(self, address: str) -> None:
         try:
@@ -333,9 +327,6 @@ class PushWorker:
             )  # fmt: skip
         except Exception as e:  # handed to the push thread, which fails the jobs typed
             out = e
-        finally:
-            with self._lock:
-                self._fetchers.discard(threading.current_thread())
         self._jobs.put(("fetched", (address, out)))
 
     def _fetched(self, address: str, out: list[LayoutRecord] | Exception) -> None:

@@ -212,6 +212,11 @@ class Transfer(RequestEnd):
         finally:
             ctx.lock.release()
 
+    def _quarantine_to_bound(self) -> None:
+        """Bytes may land after the end: the blocks stay quarantined until, at the latest,
+        ``deadline + lease_s`` (see :class:`RequestState`)."""
+        self.quarantine_until = self.deadline + self.context.config.lease_s
+
     def _still_running(self, d: int, x: XferHandleLike) -> bool:
         """Poll a READ of this request; release it if it ended (done or failed). A release
         NIXL refuses (it could not cancel it) keeps it running. Engine lock held."""
@@ -352,9 +357,7 @@ class Transfer(RequestEnd):
             if not self.state.is_terminal:
                 self.state = RequestState.FAILED  # first: nothing below may leave it PENDING
                 self.finished_at = time.perf_counter()
-                self.quarantine_until = max(
-                    self.quarantine_until, self.deadline + self.context.config.lease_s
-                )
+                self._quarantine_to_bound()
                 self.lingering = self.lingering or [
                     (d, x) for d, x in self.xfers if x.is_lost or not x.is_released
                 ]  # fmt: skip
@@ -547,7 +550,7 @@ class Transfer(RequestEnd):
     def _post_push(self) -> None:
         ctx = self.context
         peer = self.peer
-        self.quarantine_until = self.deadline + ctx.config.lease_s
+        self._quarantine_to_bound()
         for d in self.ranks:
             req = self.ids.plan(peer.plans[d])
             ls, rs = self.ids.local_state, self.ids.remote_state  # None: none named
@@ -604,7 +607,7 @@ class Transfer(RequestEnd):
             if x.is_lost or (not x.is_released and self._still_running(d, x))
         ]  # (one released with a dropped peer cannot be polled: see _linger_poll)
         if self.lingering:
-            self.quarantine_until = max(self.quarantine_until, self.deadline + ctx.config.lease_s)
+            self._quarantine_to_bound()
         held_for = max(CHECK_QUARANTINE_S, self.quarantine_until - time.monotonic())
         for d, _, i in self.checks:  # a check READ still in flight may land later
             self.context.ranks[d].free_word(i, held_for if self.lingering else 0.0)
