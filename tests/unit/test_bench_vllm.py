@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvxfer.bench.vllm import analyse, markdown_section, table_rows
+from kvxfer.bench.vllm import analyse, excess_rows, markdown_section, table_rows
 from kvxfer.bench.vllm_driver import MODEL_SHAPE, nixl_descriptors, page_bytes, pool_blocks
 
 
@@ -66,7 +66,7 @@ def test_analyse_ratios_and_targets() -> None:
     assert rows[3][-1] == "3/4" and rows[1][7] == "5x"
     md = "\n".join(markdown_section(doc))
     assert (
-        "| kvxfer | 4 | 8,192 | 524,288 | 30 ms | 30 ms-30 ms (n=1) | 20 ms | 1.5x | 0.0333x | 3/4 |"
+        "| kvxfer | 4 | 8,192 | 524,288 | 30 ms | 30 ms-30 ms (n=1) | 20 ms | 1.5x | 1.5x | 0.0333x | 3/4 |"
         in md
     )
     assert "(target <= 1.2x): **MISSED**" in md and "**NOT all**" in md
@@ -178,3 +178,64 @@ def test_first_ttft_is_the_median_over_prefill_incarnations() -> None:
     row = next(r for r in table_rows(doc) if r[:2] == ["nixl", "2"])
     assert row[4:6] == ["550 ms", "450 ms-2 s (n=3)"]
     assert "median over 3 first requests per pair" in "\n".join(markdown_section(doc))
+
+
+def test_paired_first_over_warm_compares_each_first_with_its_own_incarnation() -> None:
+    """Each replacement prefill's first request is judged against the warm requests to
+    that same incarnation; the global warm baseline stays the first incarnation's."""
+
+    def req(first: bool, sample: int, ttft: float, tl: dict[str, float]) -> dict[str, Any]:
+        return {"first": first, "sample": sample, "ttft_s": ttft, "tokens_equal": True,
+                "timeline_s": tl}  # fmt: skip
+
+    contact = {"contact_fetch": 0.004, "contact_add_agent": 0.002}
+    reqs = [
+        req(True, 0, 0.060, {"post_to_done": 0.010, **contact}),
+        req(False, 0, 0.050, {"post_to_done": 0.008}),
+        req(False, 0, 0.052, {"post_to_done": 0.008}),
+        # incarnation 1: slow host, first 0.200 vs its warm 0.180 and 0.160 (median 0.170)
+        req(True, 1, 0.200, {"post_to_done": 0.050, **contact}),
+        req(False, 1, 0.180, {"post_to_done": 0.040}),
+        req(False, 1, 0.160, {"post_to_done": 0.030}),
+        # incarnation 2: first 0.090 vs 0.080 and 0.070 (0.075)
+        req(True, 2, 0.090, {"post_to_done": 0.012, **contact}),
+        req(False, 2, 0.080, {"post_to_done": 0.010}),
+        req(False, 2, 0.070, {"post_to_done": 0.010}),
+    ]
+    raw = _raw(_pair("nixl", 8.0, 1.0, [0.1, 0.1]),
+               {"connector": "kvxfer", "kv_gib": 8.0, "init_s": {}, "requests": reqs})  # fmt: skip
+    doc = analyse(raw)
+    kx = next(r for r in doc["rows"] if r["connector"] == "kvxfer")
+    assert kx["warm_ttft_s"] == pytest.approx(0.051)  # sample 0's warm only
+    assert kx["first_ttft_s"] == 0.090 and kx["first_over_warm"] == pytest.approx(0.090 / 0.051)
+    assert kx["paired_ratios"] == pytest.approx([0.060 / 0.051, 0.200 / 0.170, 0.090 / 0.075])
+    assert kx["paired_first_over_warm"] == pytest.approx(0.200 / 0.170)
+    ex = kx["paired_excess_s"]  # medians over incarnations of first minus its warm median
+    assert ex["contact_fetch"] == pytest.approx(0.004)
+    assert ex["post_to_done"] == pytest.approx(0.002)  # 0.002, 0.015, 0.002
+    t = doc["targets"]
+    assert not t["first_over_warm_met"] and t["paired_first_over_warm_met"]
+    assert t["kvxfer_paired_first_over_warm_largest"] == pytest.approx(0.200 / 0.170)
+    md = "\n".join(markdown_section(doc))
+    assert "- kvxfer paired first/warm at 8.0 GiB" in md and "1.18x: **met**" in md
+    cols, rows = excess_rows(doc)
+    assert rows == [["kvxfer", "8", *(
+        {"post_to_done": "+2.0 ms", "contact_fetch": "+4.0 ms", "contact_add_agent": "+2.0 ms"}[c]
+        for c in cols[2:])]]  # fmt: skip
+    assert "beyond the warm requests to the same prefill incarnation" in md
+
+
+def test_timeline_splits_the_wait_around_first_contact() -> None:
+    """A read that waited before its contact thread ran, or after the contact was ready
+    for its post, shows those waits apart from the contact's own phases."""
+    from kvxfer.bench.vllm_driver import _timeline
+
+    prof = {"started_at": 10.0, "posted_at": 10.100, "finished_at": 10.120,
+            "peer_timings_s": {"fetch": 0.020, "add_agent": 0.010},
+            "peer_ready_at": 10.060, "peer_ready_at_read": False}  # fmt: skip
+    tl = _timeline({"first": True, "t_add": 9.99, "ttft_s": 0.2}, prof)
+    assert tl is not None
+    assert tl["read_to_contact"] == pytest.approx(0.030)  # contact began at 10.030
+    assert tl["ready_to_post"] == pytest.approx(0.040)
+    assert tl["read_to_post_other"] == pytest.approx(0.0)
+    assert tl["done_to_first_token"] == pytest.approx(0.070)

@@ -37,7 +37,7 @@ _ORDER = {"nixl": 0, "kvxfer": 1, "kvxfer-pre": 2, "kvxfer-push": 3, "kvxfer-pus
 _VARIANT_TARGETS = {"preconnected": "kvxfer-pre", "push": "kvxfer-push",
                     "push_preconnected": "kvxfer-push-pre"}  # fmt: skip
 COLUMNS = ["connector", "KV GiB", "blocks", "Nixl descs/list", "first TTFT", "first range",
-           "warm TTFT", "first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
+           "warm TTFT", "first/warm", "paired first/warm", "vs Nixl first", "tokens equal"]  # fmt: skip
 
 
 def vllm_python() -> str:
@@ -60,7 +60,8 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
         if "error" in pair:
             continue
         reqs = pair["requests"]
-        warm = [r["ttft_s"] for r in reqs if not r["first"]]
+        # the global warm baseline: the first incarnation's warm requests (sample 0)
+        warm = [r["ttft_s"] for r in reqs if not r["first"] and r.get("sample", 0) == 0]
         firsts = [r for r in reqs if r["first"]]  # one per prefill incarnation
         mid = sorted(firsts, key=lambda r: r["ttft_s"])[(len(firsts) - 1) // 2]
         blocks = pool_blocks(pair["kv_gib"], shape)
@@ -75,6 +76,7 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
             "init_s": pair["init_s"], "first_timeline_s": mid.get("timeline_s"),
             "warm_timeline_s": _median_timeline([r.get("timeline_s") for r in reqs if not r["first"]]),
             "peer_rows": pair.get("peer_rows"), "peer_descriptors": pair.get("peer_descriptors"),
+            **_paired(reqs),
         })  # fmt: skip
     nixl = {r["kv_gib"]: r for r in rows if r["connector"] == "nixl"}
     for r in rows:
@@ -108,6 +110,39 @@ def _targets(rows: list[dict[str, Any]], connector: str) -> dict[str, Any]:
         "first_over_warm_met": (
             largest is not None and largest["first_over_warm"] <= TARGET_FIRST_OVER_WARM
         ),
+        "kvxfer_paired_first_over_warm_largest": (
+            largest.get("paired_first_over_warm") if largest else None
+        ),
+        "paired_first_over_warm_met": (
+            largest is not None
+            and largest.get("paired_first_over_warm") is not None
+            and largest["paired_first_over_warm"] <= TARGET_FIRST_OVER_WARM
+        ),
+    }
+
+
+def _paired(reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """First/warm within each prefill incarnation: its first request over the median of
+    the warm requests to that same incarnation (same new process, same moment on the
+    shared cores), and by phase what the first spent beyond them. Medians over the
+    incarnations that had warm requests; empty when none had."""
+    ratios, excess = [], []
+    for n in sorted({r.get("sample", 0) for r in reqs}):
+        first = [r for r in reqs if r["first"] and r.get("sample", 0) == n]
+        warm = [r for r in reqs if not r["first"] and r.get("sample", 0) == n]
+        if not first or not warm:
+            continue
+        ratios.append(first[0]["ttft_s"] / float(np.median([r["ttft_s"] for r in warm])))
+        ftl, wtl = first[0].get("timeline_s"), _median_timeline([r.get("timeline_s") for r in warm])
+        if ftl and wtl:
+            excess.append({k: v - wtl.get(k, 0.0) for k, v in ftl.items()})
+    if not ratios:
+        return {}
+    keys = list(dict.fromkeys(k for e in excess for k in e))
+    return {
+        "paired_first_over_warm": float(np.median(ratios)),
+        "paired_ratios": ratios,
+        "paired_excess_s": {k: float(np.median([e.get(k, 0.0) for e in excess])) for k in keys},
     }
 
 
@@ -124,6 +159,7 @@ def table_rows(doc: dict[str, Any]) -> list[list[str]]:
         [r["connector"], f"{r['kv_gib']:g}", f"{r['num_blocks']:,}",
          f"{r['nixl_descriptors_per_list']:,}", fmt_seconds(r["first_ttft_s"]),
          _range(r.get("first_ttfts_s") or [r["first_ttft_s"]]), fmt_seconds(r["warm_ttft_s"]), fmt_ratio(r["first_over_warm"]),
+         fmt_ratio(r.get("paired_first_over_warm")),
          fmt_ratio(r["first_over_nixl_first"]), f"{r['tokens_equal']}/{r['requests']}"]
         for r in sorted(doc["rows"], key=lambda r: (r["kv_gib"], _ORDER.get(r["connector"], 9)))
     ]  # fmt: skip
@@ -170,6 +206,16 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
             f"- {label} first/warm at {t['largest_kv_gib']} GiB: "
             f"{fmt_ratio(t['kvxfer_first_over_warm_largest'])} (target <= 1.2x): "
             f"{met(t['first_over_warm_met'])}",
+            *(
+                [
+                    f"- {label} paired first/warm at {t['largest_kv_gib']} GiB (each first over "
+                    f"the warm requests to its own prefill incarnation): "
+                    f"{fmt_ratio(t['kvxfer_paired_first_over_warm_largest'])}: "
+                    f"{met(t['paired_first_over_warm_met'])}"
+                ]
+                if t.get("kvxfer_paired_first_over_warm_largest") is not None
+                else []
+            ),
         ]
 
     lines = [
@@ -180,7 +226,10 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
         f"{c['max_tokens']} greedy tokens. First TTFT: median over "
         f"{c.get('first_samples', 1)} first requests per pair, each to a new prefill "
         f"incarnation (the decode kept; range in the next column); warm = median of the "
-        f"{len(c['prompt_lengths']) - 1} requests after the first. The gap grows when every "
+        f"{len(c['prompt_lengths']) - 1} requests after the first. Paired first/warm: "
+        f"after each first request, {c.get('paired_warm', 0)} warm requests to the same "
+        "prefill incarnation (the first incarnation: its warm requests); the median over "
+        "incarnations of first over their median. The gap grows when every "
         "step up in size widens it.",
         "",
         markdown_table(COLUMNS, table_rows(doc)),
@@ -196,7 +245,33 @@ def markdown_section(doc: dict[str, Any]) -> list[str]:
     if trows:
         lines += ["", "kvxfer's first request, decode side, by phase:", "",
                   markdown_table(cols, trows)]  # fmt: skip
+    cols, trows = excess_rows(doc)
+    if trows:
+        lines += ["", "What kvxfer's first request spent beyond the warm requests to the same "
+                  "prefill incarnation, by phase (median over incarnations; negative: less):",
+                  "", markdown_table(cols, trows)]  # fmt: skip
     return lines
+
+
+def excess_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per kvxfer variant and size: the first request's time beyond its paired warm
+    requests, phase by phase (contact phases are the first's alone)."""
+    kx = [r for r in doc["rows"] if r.get("paired_excess_s")]
+    if not kx:
+        return [], []
+    keys: list[str] = []
+    for r in kx:
+        keys += [k for k in r["paired_excess_s"] if k not in keys]
+    kx.sort(key=lambda r: (_ORDER.get(r["connector"], 9), r["kv_gib"]))
+    cols = ["connector", "KV GiB", *keys]
+    rows = [[r["connector"], f"{r['kv_gib']:g}",
+             *(_signed_ms(r["paired_excess_s"][k]) if k in r["paired_excess_s"] else "-"
+               for k in keys)] for r in kx]  # fmt: skip
+    return cols, rows
+
+
+def _signed_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:+.1f} ms"
 
 
 def save_png(path: str | Path, doc: dict[str, Any]) -> Path:
@@ -245,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         cmd = [*lock, "timeout", str(args.timeout), py, "-m", "kvxfer.bench.vllm_driver",
                "--sizes", *map(str, sizes), "--prompts", str(3 if args.quick else args.prompts),
                "--first-samples", str(1 if args.quick else args.first_samples),
+               "--paired-warm", str(0 if args.quick else args.paired_warm),
                "--out", str(out), "--log-dir", args.log_dir]  # fmt: skip
         if args.connectors:
             cmd[-4:-4] = ["--connectors", *args.connectors]
@@ -263,6 +339,10 @@ def run(args: argparse.Namespace) -> int:
     cols, trows = timeline_rows(doc)
     if trows:
         print_table("kvxfer: first request's decode TTFT by phase", cols, trows)
+    cols, trows = excess_rows(doc)
+    if trows:
+        print_table("kvxfer: first request beyond the warm ones to the same prefill, by phase",
+                    cols, trows)  # fmt: skip
     if args.json:
         write_json(args.json, {"benchmark": "vllm", **doc})
         Path(args.json).with_suffix(".md").write_text("\n".join(markdown_section(doc)) + "\n")
@@ -291,6 +371,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--first-samples", type=int, default=3,
         help="first requests per pair, each to a new prefill incarnation (default 3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--paired-warm", type=int, default=2,
+        help="warm requests to each replacement prefill after its first, for the paired "
+        "first/warm (default 2)",
     )  # fmt: skip
     p.add_argument(
         "--connectors", nargs="+", choices=list(_ORDER),

@@ -97,10 +97,16 @@ def _timeline(req: dict[str, Any], prof: dict[str, Any] | None) -> dict[str, flo
     on_path = req["first"] and not prof.get("peer_ready_at_read", False)
     contact = prof["peer_timings_s"] if on_path else {}
     start_to_post = prof["posted_at"] - prof["started_at"]
+    split = {}  # the contact's own wait: before its thread began, and after it was ready
+    if contact and prof.get("peer_ready_at"):
+        began = prof["peer_ready_at"] - sum(contact.values())
+        split = {"read_to_contact": began - prof["started_at"],
+                 "ready_to_post": prof["posted_at"] - prof["peer_ready_at"]}  # fmt: skip
     return {
         "schedule_to_read": prof["started_at"] - t_add,
+        **split,
         **{f"contact_{k}": float(v) for k, v in contact.items()},
-        "read_to_post_other": start_to_post - sum(contact.values()),
+        "read_to_post_other": start_to_post - sum(contact.values()) - sum(split.values()),
         "post_to_done": prof["finished_at"] - prof["posted_at"],
         "done_to_first_token": t_add + ttft - prof["finished_at"],
     }
@@ -109,10 +115,13 @@ def _timeline(req: dict[str, Any], prof: dict[str, Any] | None) -> dict[str, flo
 def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]],
               ref: list[list[int]], max_tokens: int, log_dir: str,
               firsts: list[tuple[list[int], list[int]]],
-              kvxfer_extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+              kvxfer_extra: dict[str, Any] | None = None,
+              paired: list[list[tuple[list[int], list[int]]]] | None = None) -> dict[str, Any]:  # fmt: skip
     """One decode and its prefill: request 0 first, then warm; then one first request to
-    each replacement prefill in ``firsts`` (prompt, colocated tokens). ``kvxfer_extra``:
-    more ``kv_connector_extra_config`` keys for both kvxfer instances."""
+    each replacement prefill in ``firsts`` (prompt, colocated tokens), followed by the
+    warm requests ``paired[n - 1]`` to that same (n-th) incarnation (a warm baseline taken under the
+    same conditions as its first: a new prefill process on the same two cores).
+    ``kvxfer_extra``: more ``kv_connector_extra_config`` keys for both kvxfer instances."""
     tag = f"{connector}-{kv_gib:g}g"
     kvxfer = connector in KVXFER_VARIANTS
     extra = {"kv_transfer_overrides": PROBE} if kvxfer else {}
@@ -167,6 +176,8 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
             init[f"prefill{n}"] = p.wait_ready(900)
             p.gen(warm_prompt, 1)
             one(prompt, want, True, n)
+            for w_prompt, w_want in paired[n - 1] if paired else ():
+                one(w_prompt, w_want, False, n)
     finally:
         p.stop(60)
         d.stop(60)
@@ -186,14 +197,17 @@ def _one_pair(connector: str, kv_gib: float, model: str, prompts: list[list[int]
 
 def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str, log_dir: str,
                connectors: list[str], first_samples: int = 1,
-               kvxfer_extra: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+               kvxfer_extra: dict[str, Any] | None = None, paired_warm: int = 0) -> dict[str, Any]:  # fmt: skip
     """Every (size, connector) pair, fresh instances each; the colocated reference first.
     ``first_samples``: first requests per pair (each to a new prefill incarnation);
+    ``paired_warm``: warm requests to each replacement incarnation after its first;
     ``kvxfer_extra``: more extra-config keys for the kvxfer instances."""
     os.makedirs(log_dir, exist_ok=True)
     digest = build(model_dir, **MODEL_SHAPE)
     prompts = make_prompts(n_prompts, MODEL_SHAPE["vocab"], PROMPT_LENGTHS, seed=0)
     more = make_prompts(first_samples - 1, MODEL_SHAPE["vocab"], PROMPT_LENGTHS[:1], seed=5)
+    n_paired = (first_samples - 1) * paired_warm  # fresh prompts: no local prefix hit
+    extra = make_prompts(n_paired, MODEL_SHAPE["vocab"], PROMPT_LENGTHS[1:2], seed=6)
     t0 = time.perf_counter()
     with Instance("colocated", model=model_dir, connector=None, cpus="0", kv_cache_gib=1,
                   log_dir=log_dir, block_size=BLOCK_SIZE, max_model_len=512,
@@ -201,13 +215,15 @@ def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str
         colo.wait_ready(900)
         ref = [colo.gen(pr, max_tokens)["tokens"] for pr in prompts]
         firsts = [(pr, colo.gen(pr, max_tokens)["tokens"]) for pr in more]
+        warms = [(pr, colo.gen(pr, max_tokens)["tokens"]) for pr in extra]
+    paired = [warms[i * paired_warm : (i + 1) * paired_warm] for i in range(first_samples - 1)]
     pairs = []
     for kv_gib in sizes:
         for conn in connectors:
             print(f"vllm bench: {conn} at {kv_gib:g} GiB ...", file=sys.stderr, flush=True)
             try:
                 pairs.append(_one_pair(conn, kv_gib, model_dir, prompts, ref, max_tokens, log_dir,
-                                       firsts, kvxfer_extra))  # fmt: skip
+                                       firsts, kvxfer_extra, paired))  # fmt: skip
             except Exception as e:  # one failed pair must not lose the others' figures
                 traceback.print_exc()
                 pairs.append({"connector": conn, "kv_gib": kv_gib, "error": repr(e)})
@@ -222,6 +238,7 @@ def run_driver(sizes: list[int], n_prompts: int, max_tokens: int, model_dir: str
             "prompt_lengths": [len(p) for p in prompts],
             "max_tokens": max_tokens,
             "first_samples": first_samples,
+            "paired_warm": paired_warm,
             "kvxfer_extra": dict(kvxfer_extra or {}),
             "sizes_gib": sizes,
             "weights_sha256": digest,
@@ -243,12 +260,14 @@ def main() -> None:
     ap.add_argument("--log-dir", default="/tmp/kvxfer-vllm-bench-logs")
     ap.add_argument("--first-samples", type=int, default=1,
                     help="first requests per pair, each to a new prefill (default 1)")  # fmt: skip
+    ap.add_argument("--paired-warm", type=int, default=0,
+                    help="warm requests to each replacement prefill after its first")  # fmt: skip
     ap.add_argument("--kvxfer-extra", type=json.loads, default=None,
                     help="JSON object of more kv_connector_extra_config keys for kvxfer")  # fmt: skip
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     doc = run_driver(a.sizes, a.prompts, a.max_tokens, a.model_dir, a.log_dir, a.connectors,
-                     a.first_samples, a.kvxfer_extra)  # fmt: skip
+                     a.first_samples, a.kvxfer_extra, a.paired_warm)  # fmt: skip
     Path(a.out).write_text(json.dumps(doc))
 
 

@@ -148,6 +148,7 @@ class ProfiledKvxferConnector(KvxferConnector):
                 "posted_at": t.posted_at, "finished_at": t.finished_at, "reported_at": now,
                 "num_descriptors": t.num_descriptors, "num_bytes": t.num_bytes,
                 "peer_timings_s": dict(t.peer.timings_s), "peer_rows": t.peer.num_rows,
+                "peer_ready_at": t.peer.phase_at if t.peer.phase == "ready" else None,
                 "peer_descriptors": t.peer.num_descriptors,
                 "peer_ready_at_read": self._probe_ready.pop(rid, False),
                 "polls": len(polls), "max_poll_gap_s": max(gaps, default=0.0),
