@@ -34,7 +34,13 @@ from kvxfer.engine.holds import (
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
-from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
+from kvxfer.engine.rank import (
+    RankCache,
+    close_each,
+    encode_records,
+    new_generation,
+    serve_records,
+)
 from kvxfer.engine.stats import EngineStats, StatsRecorder
 from kvxfer.engine.threads import ThreadSet
 from kvxfer.engine.transfer import RequestContext, Transfer
@@ -391,7 +397,9 @@ class Consumer(FirstContact):
         """Abort live requests, release every agent and deregister memory. Idempotent.
 
         Live requests end ABORTED (their producers are told); later calls of
-        :meth:`read`/:meth:`push` raise :class:`~kvxfer.errors.ClosedError`.
+        :meth:`read`/:meth:`push` raise :class:`~kvxfer.errors.ClosedError`. A part that
+        fails to close (its error is raised once the others are closed) stays for the
+        next call, which closes what is left.
         """
         closing = getattr(self, "_closing", None)
         if closing is not None:  # side-channel waits of contacts and rechecks end now
@@ -404,13 +412,19 @@ class Consumer(FirstContact):
             self._close_resources()
             return
         with lock:
-            if self._closed:
-                return
+            if (
+                self._closed
+                and not getattr(self, "ranks", None)
+                and getattr(self, "server", None) is None
+            ):
+                return  # closed before, and all of it
             inbox = getattr(self, "_inbox", None)
-            for t in inbox.live() if inbox is not None else []:
+            for t in inbox.live() if inbox is not None and not self._closed else []:
                 if not t.state.is_terminal:
                     t._fail_surely(ClosedError(f"consumer closed: request {t.request_id!r}"))
             self._closed = True
+        # a close that failed part way is finished by the next call: what follows is
+        # idempotent, and _close_resources closes only what is still open
         progress = getattr(self, "_progress", None)
         if progress is not None:  # outside the lock: its sweep may be waiting for it
             progress.close()
@@ -422,17 +436,24 @@ class Consumer(FirstContact):
             self._close_resources()
 
     def _close_resources(self) -> None:
+        """Stop the side channel and close every rank; a part that raises is kept for the
+        next close() and the others are still closed; the first error is raised after.
+        The agents count as gone (ending quarantines) only once every rank closed."""
+        errors: list[Exception] = []
         monitor = getattr(self, "_monitor", None)
         if monitor is not None:
             monitor.close()
         server = getattr(self, "server", None)
         if server is not None:
-            server.stop()
-            self.server = None
-        for cache in self.ranks.values():
-            cache.close()
-        self.ranks = {}
-        self._agents_gone = True
+            try:
+                server.stop()
+                self.server = None
+            except Exception as e:
+                errors.append(e)
+        self.ranks = close_each(getattr(self, "ranks", {}), errors)
+        self._agents_gone = not self.ranks
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> Consumer:
         return self

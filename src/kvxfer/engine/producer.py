@@ -23,7 +23,13 @@ from kvxfer.engine.holds import (
 )
 from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
-from kvxfer.engine.rank import RankCache, encode_records, new_generation, serve_records
+from kvxfer.engine.rank import (
+    RankCache,
+    close_each,
+    encode_records,
+    new_generation,
+    serve_records,
+)
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.backend import BackendFactory
@@ -489,7 +495,12 @@ class Producer:
                     self._freed_ready.set()
 
     def close(self) -> None:
-        """Stop serving, release agents and deregister memory. Idempotent."""
+        """Stop serving, release agents and deregister memory. Idempotent.
+
+        A rank that fails to close is kept (its error raised once the other ranks are
+        closed) and the side channel stays up, since consumers take a refused connection
+        as proof that this process writes no more; the next call closes what is left.
+        """
         self._stop.set()
         for t in (getattr(self, "_thread", None), getattr(self, "_warm", None)):
             if t is not None:
@@ -497,9 +508,13 @@ class Producer:
         pusher = getattr(self, "_pusher", None)
         if pusher is not None:
             pusher.close()
-        for r in self.ranks:  # the agents first: nothing of this process lands after them
-            r.close()
-        self.ranks = []
+        # the agents first: nothing of this process lands after them. A rank that fails
+        # to close is kept for the next close(), the others are closed all the same
+        errors: list[Exception] = []
+        left = close_each(dict(enumerate(self.ranks)), errors)
+        self.ranks = list(left.values())
+        if errors:  # the side channel stays up: an agent may still write
+            raise errors[0]
         server = getattr(self, "server", None)
         if server is not None:  # last: consumers take a refused connection as proof that
             server.stop()  # this process can write no more (their quarantines end)

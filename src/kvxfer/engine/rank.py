@@ -25,7 +25,7 @@ from kvxfer.transport.nixl import NixlBackend, XferOp, XferState
 from kvxfer.transport.side_channel import SideChannelServer
 from kvxfer.wire import ModelFacts, encode_record, facts_json, record_from_layout
 
-__all__ = ["RankCache", "encode_records", "new_generation", "serve_records"]
+__all__ = ["RankCache", "close_each", "encode_records", "new_generation", "serve_records"]
 
 log = logging.getLogger(__name__)
 WARM_UP_BYTES = 64
@@ -243,6 +243,19 @@ class RankCache:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def close_each(caches: dict[int, RankCache], errors: list[Exception]) -> dict[int, RankCache]:
+    """Close every cache; return those whose close raised (their errors appended to
+    ``errors``), so that a later close() can try them again."""
+    left = {}
+    for key, cache in caches.items():
+        try:
+            cache.close()
+        except Exception as e:
+            errors.append(e)
+            left[key] = cache
+    return left
 
 
 def _one_transfer(

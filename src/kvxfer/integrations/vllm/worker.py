@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.engine import Consumer, EngineConfig, Producer, RequestState, Transfer
-from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.extra import ExtraConfig
 from kvxfer.integrations.vllm.layouts import spec_from_vllm_tensors
 from kvxfer.integrations.vllm.scheduler import HoldJob, LoadJob
@@ -360,11 +359,17 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
-        """Close the engines (live loads end ABORTED; held blocks are released)."""
-        for engine in (self.consumer, self.producer):
-            if engine is not None:
-                try:
-                    engine.close()
-                except KvxferError as e:  # pragma: no cover - best effort at shutdown
-                    log.warning("kvxfer close: %s", e)
-        self.consumer = self.producer = None
+        """Close the engines (live loads end ABORTED; held blocks are released). One whose
+        close raised is logged and kept, the other is closed all the same, and the next
+        call tries the kept one again (what it had closed stays closed)."""
+        for name in ("consumer", "producer"):
+            engine = getattr(self, name)
+            if engine is None:
+                continue
+            try:
+                engine.close()
+            except Exception as e:  # shutdown goes on: the other engine still closes
+                log.warning("kvxfer close of the %s failed (a later close tries again): %r",
+                            name, e)  # fmt: skip
+                continue
+            setattr(self, name, None)
