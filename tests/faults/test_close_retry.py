@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvxfer.engine import Consumer, EngineConfig, Producer, allocate_cache
 from kvxfer.engine.liveness import listener_gone
-from kvxfer.errors import TransferError
+from kvxfer.errors import KvxferError, TransferError
+from kvxfer.layout.presets import spec_for
 from kvxfer.transport.side_client import fetch_records
-from tests.engines import local_pair
+from tests.engines import local_pair, until
 
 
 class _FailsOnce:
@@ -48,7 +50,7 @@ def test_a_consumer_close_that_failed_part_way_can_be_retried() -> None:
         assert all(_closed(c.backend) for c in caches), "a failing server left agents open"
         assert not listener_gone(address)  # the part that failed is still up
         cons.close()  # the retry finishes it
-        assert listener_gone(address)
+        assert until(lambda: listener_gone(address), 2.0)  # ZMQ closes it in its IO thread
         assert cons.ranks == {} and cons.server is None
         cons.close()  # and stays idempotent
 
@@ -66,7 +68,7 @@ def test_a_producer_keeps_its_side_channel_while_an_agent_is_not_closed() -> Non
                              auth_key=cons.config.auth_key, facts=cons.facts)  # fmt: skip
         assert [r.tp_rank for r in recs] == [0]
         prod.close()
-        assert _closed(rank.backend) and listener_gone(address)
+        assert _closed(rank.backend) and until(lambda: listener_gone(address), 2.0)
         assert prod.ranks == []
 
 
@@ -83,7 +85,48 @@ def test_the_vllm_worker_closes_the_other_engine_when_one_fails_and_retries_it()
         cons_rank, prod_rank = cons.ranks[0], prod.ranks[0]
         cons_rank.close = _FailsOnce(cons_rank.close)  # type: ignore[method-assign]
         side.close()  # logs the failure; shutdown goes on
-        assert _closed(prod_rank.backend) and listener_gone(prod.address)
+        assert _closed(prod_rank.backend) and until(lambda: listener_gone(prod.address), 2.0)
         assert not _closed(cons_rank.backend) and side.consumer is cons
         side.close()
         assert _closed(cons_rank.backend) and side.consumer is None
+
+
+def _two_ranks() -> list[tuple[object, list[object]]]:
+    """Both TP ranks of tiny-gqa (TP 2) in one engine."""
+    out = []
+    for r in range(2):
+        spec = spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=8)
+        out.append((spec, allocate_cache(spec)))
+    return out
+
+
+def test_one_rank_failing_to_close_does_not_keep_the_others_open() -> None:
+    """Consumer and producer with two ranks, rank 0's close failing once: rank 1 closes
+    in the same call; the consumer's agents count as gone (which ends quarantines of
+    READs still running) only once rank 0 closed too; the producer's side channel stays
+    up until then."""
+    cons = Consumer(EngineConfig("d2", model_name="tiny-gqa"), _two_ranks())  # type: ignore[arg-type]
+    prod = Producer(EngineConfig("p2", model_name="tiny-gqa"), _two_ranks())  # type: ignore[arg-type]
+    try:
+        c0, c1 = cons.ranks[0], cons.ranks[1]
+        p0, p1 = prod.ranks
+        c0.close = _FailsOnce(c0.close)  # type: ignore[method-assign]
+        p0.close = _FailsOnce(p0.close)  # type: ignore[method-assign]
+        for engine in (cons, prod):
+            with pytest.raises(RuntimeError, match="injected"):
+                engine.close()
+        assert _closed(c1.backend) and not _closed(c0.backend)
+        assert _closed(p1.backend) and not _closed(p0.backend)
+        assert cons._agents_gone is False  # rank 0's agent could still take bytes
+        assert list(cons.ranks) == [0] and prod.ranks == [p0]
+        assert not listener_gone(prod.address)
+        with pytest.raises(KvxferError, match="producer closed"):
+            prod.hold("late", block_ids=[1])  # nothing would ever free it
+        cons.close()
+        prod.close()
+        assert _closed(c0.backend) and _closed(p0.backend)
+        assert cons._agents_gone is True and cons.ranks == {} and prod.ranks == []
+        assert until(lambda: listener_gone(prod.address), 2.0)
+    finally:
+        cons.close()
+        prod.close()

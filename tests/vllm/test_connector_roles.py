@@ -130,3 +130,55 @@ def test_caches_that_drop_blocks_are_refused_at_start(vllm_ready: None) -> None:
             text = out[f"{name} {role}"]
             assert text.startswith("ConfigError: kvxfer's connector supports full-attention KV "
                                    f"caches only; group 0 is a {spec}"), (name, role, text)  # fmt: skip
+
+
+SHUTDOWN = """
+import json, logging, sys, types
+logging.basicConfig(level=logging.WARNING)
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvxfer.engine import Consumer, EngineConfig, allocate_cache
+from kvxfer.integrations.vllm.connector import KvxferConnector
+from kvxfer.integrations.vllm.extra import ExtraConfig
+from kvxfer.integrations.vllm.worker import WorkerSettings, WorkerSide
+from kvxfer.layout.presets import spec_for
+
+kv = KVTransferConfig(kv_connector="KvxferConnector", kv_role="kv_both", engine_id="shut",
+                      kv_connector_module_path="kvxfer.integrations.vllm.connector")
+config = types.SimpleNamespace(
+    kv_transfer_config=kv, cache_config=types.SimpleNamespace(block_size=32),
+    parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+)
+conn = KvxferConnector(config, KVConnectorRole.WORKER, None)
+spec = spec_for("tiny-gqa", tp_rank=0, tp_size=1, num_blocks=8)
+cons = Consumer(EngineConfig("d", model_name="tiny-gqa"), [(spec, allocate_cache(spec))])
+side = WorkerSide(WorkerSettings("e", 0, 1, 8, 2, "CPU_ATTN", True, True, "tiny-gqa",
+                                 "float16", extra=ExtraConfig()))
+side.consumer = cons
+conn._worker = side
+rank = cons.ranks[0]
+close, calls = rank.close, []
+def failing_once():
+    calls.append(1)
+    if len(calls) == 1:
+        raise RuntimeError("injected")
+    close()
+rank.close = failing_once
+out = []
+conn.shutdown()
+out.append([conn._worker is side, side.consumer is cons, len(calls)])
+conn.shutdown()
+out.append([conn._worker is None, side.consumer is None, len(calls)])
+print(json.dumps(out))
+"""
+
+
+def test_a_shutdown_that_failed_to_close_an_engine_can_be_repeated(vllm_ready: None) -> None:
+    """vLLM's shutdown of the worker connector keeps an engine whose close raised (logged),
+    so that a second shutdown closes it, instead of dropping the only reference to an
+    engine whose agent and memory registration are still live."""
+    r = subprocess.run([vllm_python(), "-c", SHUTDOWN], capture_output=True, text=True,
+                       timeout=240, env=_env())  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[True, True, 1], [True, True, 2]]
+    assert "kvxfer close of the consumer failed" in r.stderr

@@ -30,7 +30,7 @@ from kvxfer.engine.rank import (
     new_generation,
     serve_records,
 )
-from kvxfer.errors import ConfigError, KvxferError
+from kvxfer.errors import ClosedError, ConfigError, KvxferError
 from kvxfer.layout.spec import LayoutSpec
 from kvxfer.transport.backend import BackendFactory
 from kvxfer.wire import (
@@ -206,6 +206,7 @@ class Producer:
         Raises:
             ConfigError: the request is held already, a bad count or lease, a ticket
                 that cannot be used, or every hold slot in use (nothing is held then).
+            ClosedError: close() was called (nothing is held).
         """
         check_request_id(request_id)
         lease = self.config.lease_s if lease_s is None else check_lease("lease_s", lease_s)
@@ -224,6 +225,8 @@ class Producer:
         check_binding("binding", binding)
         now, wall_ns = time.monotonic(), time.time_ns()
         with self._lock:
+            if self._stop.is_set():  # nothing would free it: no lease expiry, no ReadDone
+                raise ClosedError(f"producer closed: request {request_id!r} not held")
             if request_id in self._pending_free:
                 raise ConfigError(f"request {request_id!r} is already held")
             if ticket is None:

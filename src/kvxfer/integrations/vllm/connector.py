@@ -294,5 +294,6 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+            self._worker.close()  # an engine that failed to close stays, for a retry
+            if self._worker.consumer is None and self._worker.producer is None:
+                self._worker = None

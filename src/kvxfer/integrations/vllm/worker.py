@@ -368,8 +368,7 @@ class WorkerSide:
                 continue
             try:
                 engine.close()
-            except Exception as e:  # shutdown goes on: the other engine still closes
-                log.warning("kvxfer close of the %s failed (a later close tries again): %r",
-                            name, e)  # fmt: skip
+            except Exception:  # shutdown goes on: the other engine still closes
+                log.exception("kvxfer close of the %s failed (a later close tries again)", name)
                 continue
             setattr(self, name, None)
