@@ -417,31 +417,29 @@ class Consumer(FirstContact):
                 left = getattr(self, "ranks", None) or getattr(self, "server", None)
                 if self._close_busy or not left:
                     return  # another call is closing it, or it is closed, all of it
-                # a close that failed part way: the threads were stopped by it; what
-                # it could not close is closed now
-                self._close_busy = True
-                try:
-                    self._close_resources()
-                finally:
-                    self._close_busy = False
-                return
-            inbox = getattr(self, "_inbox", None)
-            for t in inbox.live() if inbox is not None else []:
-                if not t.state.is_terminal:
-                    t._fail_surely(ClosedError(f"consumer closed: request {t.request_id!r}"))
-            self._closed = self._close_busy = True
+                # else a close that failed part way: the steps below are idempotent,
+                # and _close_resources closes only what is still open
+            else:
+                inbox = getattr(self, "_inbox", None)
+                for t in inbox.live() if inbox is not None else []:
+                    if not t.state.is_terminal:
+                        t._fail_surely(ClosedError(f"consumer closed: request {t.request_id!r}"))
+                self._closed = True
+            self._close_busy = True  # cleared under the lock, when this call ends
         try:
             progress = getattr(self, "_progress", None)
             if progress is not None:  # outside the lock: its sweep may be waiting for it
                 progress.close()
             self._join_helpers(CLOSE_JOIN_S)  # outside the lock: a contact may wait for it
-            with lock:
-                inbox = getattr(self, "_inbox", None)
-                if inbox is not None:
-                    inbox.close()
-                self._close_resources()
         finally:
-            self._close_busy = False
+            with lock:
+                try:
+                    inbox = getattr(self, "_inbox", None)
+                    if inbox is not None:
+                        inbox.close()
+                    self._close_resources()
+                finally:
+                    self._close_busy = False
 
     def _close_resources(self) -> None:
         """Stop the side channel and close every rank; a part that raises is kept for the

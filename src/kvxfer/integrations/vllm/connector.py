@@ -293,7 +293,17 @@ class KvxferConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()  # an engine that failed to close stays, for a retry
-            if self._worker.consumer is None and self._worker.producer is None:
+        """Close the worker's engines. vLLM calls this once, then drops the connector: an
+        engine whose close raised (logged) is tried once more at once; one that fails
+        again is logged and kept here (a later call tries again), its agent and memory
+        left to the process's exit."""
+        worker = self._worker
+        if worker is None:
+            return
+        for _ in range(2):
+            worker.close()
+            if worker.consumer is None and worker.producer is None:
                 self._worker = None
+                return
+        log.error("kvxfer shutdown: an engine failed to close twice; it stays open until "
+                  "this process exits or shutdown() is called again")  # fmt: skip
