@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from kvxfer.engine.config import EngineConfig, check_seconds
+from kvxfer.engine.config import EngineConfig, RequestState, check_seconds
 from kvxfer.engine.holds import SLOT_BYTES
 from kvxfer.engine.inbox import Inbox
 from kvxfer.engine.liveness import PeerMonitor
@@ -406,6 +406,9 @@ class FirstContact:
                 watched = self._watched.get(peer.address)
             if peer.error is None:  # requests still naming it end PEER_LOST, saying why
                 peer.error = PeerLostError(f"{peer.address}: dropped (restarted or lost)")
+            for t in self._inbox.live():  # while its agents are loaded: a producer taken
+                if t.peer is peer and not t.state.is_terminal:  # for lost may be alive
+                    t.send_abort(RequestState.PEER_LOST)
             self._release_peer(peer)
         if watched is not None and not self._closed:
             log.info("preconnect: %s dropped; contacting it again", peer.address)

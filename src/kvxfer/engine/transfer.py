@@ -626,7 +626,8 @@ class Transfer(RequestEnd):
         if isinstance(error, PeerLostError):
             self.state = RequestState.PEER_LOST
             ctx.record(self)
-            if not self.keep_peer:
+            if not self.keep_peer:  # (keep_peer: a request never posted to this peer)
+                self.send_abort(self.state)  # skipped if its agents are gone (a drop sent it)
                 ctx.drop_peer(self.peer)
             self._ended_now()
             return
@@ -640,24 +641,34 @@ class Transfer(RequestEnd):
         if isinstance(error, HoldMismatchError):
             self._ended_now()  # the hold is not this request's: its abort would free it
             return
-        if self.posted_at and self.peer.agents:  # tell every producer rank it may free the blocks
-            for rank, agent in self.peer.agents.items():
-                gen = self.peer.generations[rank]
-                abort = Abort(
-                    self.request_id, gen, self.state.value, self.attempt, self.hold_ticket,
-                    self.hold_digest,
-                )  # fmt: skip
-                try:
-                    msg = encode_msg(abort)
-                except KvxferError as e:  # never stops the end below (its event, callbacks)
-                    log.warning("request %r: abort notice not sent: %s", self.request_id, e)
-                    break
-                for d in self.ranks:
-                    try:
-                        ctx.ranks[d].backend.send_notif(agent, msg)
-                    except KvxferError as e:
-                        log.debug("abort notice to %s: %s", agent, e)
+        self.send_abort(self.state)  # tell every producer rank it may free the blocks
         self._ended_now()
+
+    def send_abort(self, state: RequestState) -> None:
+        """Tell every producer rank of a posted request that it may free the blocks
+        (``Abort``, naming ``state``); best effort: a rank whose agent is gone is skipped.
+        Engine lock held. Also called as its peer is dropped, before its agents go: a
+        producer the heartbeat took for lost may be alive, and would hold them until
+        their lease."""
+        if not (self.posted_at and self.peer.agents):
+            return
+        ranks = self.context.ranks
+        for rank, agent in self.peer.agents.items():
+            gen = self.peer.generations[rank]
+            abort = Abort(
+                self.request_id, gen, state.value, self.attempt, self.hold_ticket,
+                self.hold_digest,
+            )  # fmt: skip
+            try:
+                msg = encode_msg(abort)
+            except KvxferError as e:  # never stops the caller (a request's end, a drop)
+                log.warning("request %r: abort notice not sent: %s", self.request_id, e)
+                return
+            for d in self.ranks:
+                try:
+                    ranks[d].backend.send_notif(agent, msg)
+                except KvxferError as e:
+                    log.debug("abort notice to %s: %s", agent, e)
 
 
 def num_bytes(plan: PeerPlan, rank: int, local_ids: npt.NDArray[np.int32]) -> int:

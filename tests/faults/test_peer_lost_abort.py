@@ -1,0 +1,50 @@
+"""A READ whose producer the heartbeat drops (PEER_LOST) tells the producer, when it is
+in fact alive (a stall longer than the verdict: a stopped container, a long pause), to
+free the request's blocks, instead of leaving them held until the lease ends (review
+finding of stop 29: the peer's agents were released before anything was said, so no
+Abort could go). The READ runs over UCX's TCP transport, so a stopped producer does not
+serve it (CMA would copy out of the stopped process and end DONE)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.engine.config import RequestState
+
+from .procs import ids, make_consumer, wait_all
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+NB = 256
+LEASE_S = 60.0  # far longer than the test waits: only an Abort frees the hold in time
+
+
+def test_a_read_ended_peer_lost_frees_the_live_producers_blocks(
+    monkeypatch: pytest.MonkeyPatch, spawn, closing
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    a = spawn(engine_id="pa", num_blocks=NB).start()
+    cons, _ = make_consumer("tiny-gqa", NB, handshake_timeout_s=2.0, heartbeat_s=0.2)
+    closing(cons)
+    a.hold([("warm", 2), ("stalled", 128)], lease_s=LEASE_S)
+    t = cons.read("warm", a.address, local_block_ids=ids(0, 1), remote_block_ids=ids(5, 6))
+    assert t.wait(20) is RequestState.DONE, t.error  # contacted and watched
+    assert a.wait_free(5.0)["freed_by_reason"] == {"read": 1}
+    a.stop_process()
+    try:
+        stalled = cons.read("stalled", a.address, local_block_ids=np.arange(128),
+                            remote_block_ids=np.arange(128), deadline_s=20.0)  # fmt: skip
+        wait_all([stalled], 10)
+        assert stalled.state is RequestState.PEER_LOST, (stalled.state, stalled.error)
+    finally:
+        a.signal(signal.SIGCONT)
+    t0 = time.monotonic()
+    stats = a.wait_free(10.0)
+    print(f"[measure] blocks of the PEER_LOST read freed after {time.monotonic() - t0:.2f} s: "
+          f"{stats['freed_by_reason']}")  # fmt: skip
+    assert stats["held_blocks"] == 0, stats
+    assert stats["freed_by_reason"].get("aborted") == 1, stats
