@@ -48,3 +48,33 @@ def test_a_read_ended_peer_lost_frees_the_live_producers_blocks(
           f"{stats['freed_by_reason']}")  # fmt: skip
     assert stats["held_blocks"] == 0, stats
     assert stats["freed_by_reason"].get("aborted") == 1, stats
+
+
+def test_a_request_whose_producer_was_told_to_free_its_blocks_never_ends_done() -> None:
+    """Once a drop sent a request's Abort, the request ends PEER_LOST even if its READ
+    then reports complete: here the producer's agent outlives the drop (another spelling
+    of its address still uses it), so the READ's handle stays valid, and the producer
+    has freed (and may reuse) the blocks the bytes came from. Real NIXL in one process;
+    the first poll of the READ is made to report it still in flight."""
+    from kvxfer.transport.nixl import XferState
+    from tests.engines import local_pair, until
+
+    with local_pair() as (_, _, prod, cons):
+        port = prod.address.rsplit(":", 1)[1]
+        other = cons.connect(f"tcp://localhost:{port}")  # the same producer, same agent
+        assert other.agents == cons.connect(prod.address).agents
+        prod.hold("r", block_ids=[1, 2, 3])
+        backend = next(iter(cons.ranks.values())).backend
+        real_poll, calls = backend.poll, []
+
+        def in_flight_once(x):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return XferState.IN_PROGRESS if len(calls) == 1 else real_poll(x)
+
+        backend.poll = in_flight_once  # type: ignore[method-assign]
+        t = cons.read("r", prod.address, local_block_ids=[1, 2, 3], remote_block_ids=[1, 2, 3])
+        assert t.poll() is RequestState.PENDING and t.posted_at  # posted, "in flight"
+        cons._drop_peer(t.peer)  # a heartbeat verdict on this spelling of the address
+        assert until(lambda: any(r.value == "aborted" for _, r in prod.pop_freed()), 5.0)
+        assert t.poll() is RequestState.PEER_LOST, (t.state, t.error)
+        assert not other.error  # the other spelling's peer is untouched

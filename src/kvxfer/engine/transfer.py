@@ -124,6 +124,7 @@ class Transfer(RequestEnd):
     rechecked: bool = False
     recheck: Future[dict[int, int]] | None = None  # refetched generations (wrong pin?)
     keep_peer: bool = False  # a failure of this request alone: do not drop the peer
+    abort_sent: bool = False  # its producer was told to free the blocks (send_abort)
     attempt: int = field(default_factory=new_attempt)
     written: set[tuple[int, int]] = field(default_factory=set)  # push: WriteDone seen
     settled: set[tuple[int, int]] = field(default_factory=set)  # push: Cancelled seen
@@ -280,6 +281,10 @@ class Transfer(RequestEnd):
         """One step of the state machine (the engine lock held, the consumer open)."""
         ctx = self.context
         try:
+            if self.abort_sent:  # its producer was told to free the blocks: never DONE
+                raise self.peer.error or PeerLostError(
+                    f"request {self.request_id!r}: {self.peer.address} was dropped"
+                )
             if time.monotonic() >= self.deadline:
                 raise DeadlineError(
                     f"request {self.request_id!r} passed its deadline {self._where()}"
@@ -650,8 +655,9 @@ class Transfer(RequestEnd):
         Engine lock held. Also called as its peer is dropped, before its agents go: a
         producer the heartbeat took for lost may be alive, and would hold them until
         their lease."""
-        if not (self.posted_at and self.peer.agents):
+        if not (self.posted_at and self.peer.agents) or self.abort_sent:
             return
+        self.abort_sent = True  # from here on, _step ends it PEER_LOST (never DONE)
         ranks = self.context.ranks
         for rank, agent in self.peer.agents.items():
             gen = self.peer.generations[rank]
