@@ -130,3 +130,33 @@ def test_one_rank_failing_to_close_does_not_keep_the_others_open() -> None:
     finally:
         cons.close()
         prod.close()
+
+
+@pytest.mark.parametrize("engine", ["consumer", "producer"])
+def test_a_failed_construction_whose_cleanup_also_fails_raises_the_construction_error(
+    engine: str,
+) -> None:
+    """The error users see names why the engine could not be built; the cleanup's own
+    failure rides along as a note, and the agent whose close failed is not left to leak
+    silently (review finding of stop 30: the close error replaced the construction's)."""
+    from kvxfer.transport.nixl import NixlBackend
+
+    made: list[NixlBackend] = []
+
+    def factory(name: str) -> NixlBackend:
+        if made:
+            raise RuntimeError("injected: rank 1 could not be built")
+        backend = NixlBackend(name, thread_safe=True)
+        backend.close = _FailsOnce(backend.close)  # type: ignore[method-assign]
+        made.append(backend)
+        return backend
+
+    specs = [spec_for("tiny-gqa", tp_rank=r, tp_size=2, num_blocks=4) for r in (0, 1)]
+    ranks = [(s, allocate_cache(s)) for s in specs]
+    cls = Consumer if engine == "consumer" else Producer
+    with pytest.raises(RuntimeError, match="rank 1 could not be built") as info:
+        cls(EngineConfig(engine[0], model_name="tiny-gqa"), ranks, backend_factory=factory)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "this part failed to close" in notes, notes
+    made[0].close()  # the retry the note's reader can make: the agent then closes
+    assert _closed(made[0])

@@ -36,6 +36,7 @@ from kvxfer.engine.liveness import PeerMonitor
 from kvxfer.engine.peer import PeerInfo
 from kvxfer.engine.rank import (
     RankCache,
+    close_after_failed_start,
     close_each,
     encode_records,
     new_generation,
@@ -115,8 +116,8 @@ class Consumer(FirstContact):
             records = encode_records(self.ranks.values(), self.generation, self.compat_hash)
             # push mode: producers fetch this engine's records here
             self.server: SideChannelServer | None = serve_records(config, records, self.facts)
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            close_after_failed_start(self.close, e, f"consumer {config.engine_id!r}")
             raise
         self._inbox = Inbox(self.ranks, on_quarantine=self._watch_quarantine)
         self._progress = Progress()  # drives the requests someone waits on

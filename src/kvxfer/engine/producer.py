@@ -25,6 +25,7 @@ from kvxfer.engine.leases import FreeReason, Lease, LeaseTable
 from kvxfer.engine.pusher import PushWorker
 from kvxfer.engine.rank import (
     RankCache,
+    close_after_failed_start,
     close_each,
     encode_records,
     new_generation,
@@ -132,8 +133,8 @@ class Producer:
                 auth_key=config.auth_key,
                 facts=self.facts,
             )
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            close_after_failed_start(self.close, e, f"producer {config.engine_id!r}")
             raise
         self._thread = threading.Thread(target=self._run, name="kvxfer-producer", daemon=True)
         self._thread.start()

@@ -8,7 +8,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,13 +99,14 @@ class RankCache:
             if words:
                 self.backend.register([(self.words.ctypes.data, self.words.nbytes, 0)])
         except TransferError as e:
-            self.backend.close()
-            raise TransferError(
+            err = TransferError(
                 f"rank {spec.tp_rank}: registering {len(sizes)} {self.mem_kind.value} regions "
                 f"on device {device}: {e}"
-            ) from e
-        except BaseException:
-            self.backend.close()
+            )
+            close_after_failed_start(self.backend.close, err, f"agent {agent_name}")
+            raise err from e
+        except BaseException as e:
+            close_after_failed_start(self.backend.close, e, f"agent {agent_name}")
             raise
 
     def words_list_ready(self) -> Any:
@@ -256,6 +257,20 @@ def close_each(caches: dict[int, RankCache], errors: list[Exception]) -> dict[in
             errors.append(e)
             left[key] = cache
     return left
+
+
+def close_after_failed_start(close: Callable[[], None], error: BaseException, what: str) -> None:
+    """After ``error`` stopped ``what``'s constructor, close what it had built. A failure
+    of that close is logged and added to ``error`` as a note, so the error users see
+    still names why construction failed (before, the close error replaced it)."""
+    try:
+        close()
+    except Exception as e:
+        log.warning("%s: closing it after a failed start also failed: %r", what, e)
+        error.add_note(
+            f"closing the half-built {what} then failed too ({type(e).__name__}: {e}); "
+            "what it could not close stays open until the process exits"
+        )
 
 
 def _one_transfer(
