@@ -79,3 +79,49 @@ def test_a_request_whose_producer_was_told_to_free_its_blocks_never_ends_done() 
         assert until(lambda: any(rid == "r" for rid, _ in prod.pop_freed()), 5.0)
         assert t.poll() is RequestState.PEER_LOST, (t.state, t.error)
         assert not other.error  # the other spelling's peer is untouched
+
+
+def test_a_push_whose_producer_was_told_to_free_its_blocks_never_ends_done() -> None:
+    """The push side of the test above: the producer's WriteDone arrives only after the
+    drop sent the request's Abort (the consumer's notifications are held back until
+    then; another spelling of the producer's address keeps its agent loaded). The bytes
+    landed, but the producer was told it may free and reuse the blocks they came from:
+    the request ends PEER_LOST, never DONE."""
+    import threading
+
+    from kvxfer.wire import WriteDone, decode_msg
+    from tests.engines import local_pair, until
+
+    with local_pair() as (_, _, prod, cons):
+        port = prod.address.rsplit(":", 1)[1]
+        other = cons.connect(f"tcp://localhost:{port}")
+        assert other.agents == cons.connect(prod.address).agents
+        backend = next(iter(cons.ranks.values())).backend
+        real_get, gate = backend.get_notifs, threading.Event()
+        held: dict[str, list[bytes]] = {}
+
+        def held_back() -> dict[str, list[bytes]]:
+            got = real_get()
+            if not gate.is_set():
+                for agent, msgs in got.items():
+                    held.setdefault(agent, []).extend(msgs)
+                return {}
+            for agent, msgs in held.items():
+                got.setdefault(agent, [])[:0] = msgs
+            held.clear()
+            return got
+
+        def write_done_held() -> bool:
+            msgs = [decode_msg(m) for ms in held.values() for m in ms]
+            return any(isinstance(m, WriteDone) and m.request_id == "p" for m in msgs)
+
+        backend.get_notifs = held_back  # type: ignore[method-assign]
+        t = cons.push("p", prod.address, local_block_ids=[1, 2, 3], remote_block_ids=[1, 2, 3])
+        assert until(lambda: t.poll() is RequestState.PENDING and write_done_held(), 5.0)
+        assert t.poll() is RequestState.PENDING and t.posted_at  # written, not yet told
+        cons._drop_peer(t.peer)  # a heartbeat verdict on this spelling of the address
+        assert t.abort_sent
+        gate.set()  # now the WriteDone reaches the request
+        assert until(lambda: not held, 5.0)
+        assert t.wait(5.0) is RequestState.PEER_LOST, (t.state, t.error)
+        assert not other.error
