@@ -22,11 +22,14 @@ from kvxfer.wire import (
     Abort,
     ErrorReply,
     Failed,
+    GetPushStatus,
     GetRecords,
     Heartbeat,
     LayoutRecord,
     LeaseRenew,
+    PushFailure,
     PushRequest,
+    PushStatus,
     ReadDone,
     Records,
     WriteDone,
@@ -98,6 +101,9 @@ VALID_SIDE = [
     GetRecords(None, H),
     Records((VALID_RECORD,)),
     ErrorReply("x", "y"),
+    GetPushStatus((1, 2**63 - 1)),
+    PushStatus(()),
+    PushStatus((PushFailure("req-5", 9, 7, 0, 1, "side channel tcp://h:1: no reply"),)),
 ]
 
 
@@ -142,6 +148,19 @@ def test_msg_round_trip_and_small(msg: Any) -> None:
 @pytest.mark.parametrize("msg", VALID_SIDE, ids=lambda m: type(m).__name__)
 def test_side_round_trip(msg: Any) -> None:
     assert decode_side(encode_side(msg)) == msg
+
+
+def test_push_status_is_bounded_like_lease_ids() -> None:
+    """A push-status question or answer longer than MAX_LEASE_IDS is refused typed."""
+    from kvxfer.wire import MAX_LEASE_IDS
+
+    with pytest.raises(ProtocolError):
+        decode_side(encode_side(GetPushStatus(tuple(range(1, MAX_LEASE_IDS + 2)))))
+    one = PushFailure("r", 1, 2, 0, 0, "x")
+    with pytest.raises(ProtocolError):
+        decode_side(encode_side(PushStatus((one,) * (MAX_LEASE_IDS + 1))))
+    with pytest.raises(ProtocolError):  # a reason past its bound
+        decode_side(encode_side(PushStatus((PushFailure("r", 1, 2, 0, 0, "x" * 5000),))))
 
 
 # ---------------------------------------------------------------- typed errors

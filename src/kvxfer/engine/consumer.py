@@ -8,6 +8,7 @@ flowing. Progress happens in :meth:`Transfer.poll` (or :meth:`Transfer.wait`).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -53,9 +54,11 @@ from kvxfer.planning.request import RequestIds, plan_request
 from kvxfer.transport.backend import BackendFactory
 from kvxfer.transport.nixl import XferOp
 from kvxfer.transport.side_channel import SideChannelServer
-from kvxfer.wire import compat_hash
+from kvxfer.wire import PushFailure, compat_hash
 
 __all__ = ["Consumer", "PeerInfo", "Transfer"]  # the handles live in peer.py, transfer.py
+
+log = logging.getLogger(__name__)
 
 MAX_ENDED_GENERATIONS = 4096  # producer generations remembered as proven ended
 
@@ -144,8 +147,18 @@ class Consumer(FirstContact):
             auth_key=config.auth_key,
             on_gone=self._generations_ended,
             silence_s=config.silence_s,
+            pending_pushes=self._inbox.pending_pushes,
+            on_push_failed=self._push_failed,
         )
         self._warm_up()
+
+    def _push_failed(self, address: str, failures: tuple[PushFailure, ...]) -> None:
+        """The heartbeat heard from ``address`` of pushes it failed unannounced: those
+        requests end FAILED at their next step, instead of at their deadline."""
+        if self._inbox.push_failed(address, failures):
+            log.warning("%s failed pushes it could not announce over NIXL: %s", address,
+                        "; ".join(f"{f.request_id!r}: {f.reason}" for f in failures)[:2000])  # fmt: skip
+            self._progress.kick()
 
     def _warm_up(self) -> None:
         """Pay one-time costs at start, not on the first request's time-to-first-token:

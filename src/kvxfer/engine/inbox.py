@@ -19,7 +19,7 @@ from kvxfer.engine.rank import RankCache
 from kvxfer.engine.transfer import Transfer
 from kvxfer.errors import KvxferError
 from kvxfer.transport.nixl import XferOp
-from kvxfer.wire import Failed, WriteDone, decode_msg
+from kvxfer.wire import Failed, PushFailure, WriteDone, decode_msg
 from kvxfer.wire.messages import Cancelled
 
 __all__ = ["Inbox"]
@@ -33,8 +33,9 @@ IDLE_S = 0.01  # otherwise (unsolicited notices still drain: bounded memory)
 class Inbox:
     """Live push attempts by attempt id, and the thread that drains notifications.
 
-    Thread-safe: :meth:`add`, :meth:`discard`, :meth:`status`, :meth:`live` and
-    :meth:`settle_generations` may be called from any thread; the attempt sets of a
+    Thread-safe: :meth:`add`, :meth:`discard`, :meth:`status`, :meth:`live`,
+    :meth:`pending_pushes`, :meth:`push_failed` and :meth:`settle_generations` may be
+    called from any thread; the attempt sets of a
     Transfer are read and written under the inbox lock only.
 
     Args:
@@ -77,6 +78,45 @@ class Inbox:
     def live(self) -> list[Transfer]:
         with self._lock:
             return list(self._live.values())
+
+    def pending_pushes(self, address: str) -> tuple[int, ...]:
+        """The attempts of posted pushes to the producer at ``address`` not ended yet."""
+        with self._lock:
+            return tuple(
+                a for a, t in self._live.items()
+                if t.op is XferOp.WRITE and t.posted_at and not t.state.is_terminal
+                and t.peer.address == address
+            )  # fmt: skip
+
+    def push_failed(self, address: str, failures: tuple[PushFailure, ...]) -> int:
+        """Failures the producer at ``address`` reported over its side channel (it could
+        not send ``Failed``: this consumer's agent was never loaded there, so nothing of
+        the attempt was written). Each is obeyed as ``Failed`` is, if it names a live
+        push to ``address`` and a rank and generation that push is bound to. Returns
+        how many were obeyed."""
+        n = 0
+        with self._lock:
+            for f in failures:
+                t = self._live.get(f.attempt)
+                if (
+                    t is None or t.request_id != f.request_id or t.op is not XferOp.WRITE
+                    or t.peer.address != address
+                ):  # fmt: skip
+                    self.num_stale += 1
+                    continue
+                if t.peer.generations.get(f.producer_rank) != f.generation:
+                    self.num_forged += 1
+                    continue
+                if (f.consumer_rank, f.producer_rank) not in t.expected:
+                    continue  # not (yet) asked of that rank: asked again next heartbeat
+                if t.failed_reason is None:
+                    t.failed_reason = (
+                        f"{f.reason} (said over its side channel: its push could not "
+                        "reach this consumer's agent, so nothing was written)"
+                    )
+                t.settled.add((f.consumer_rank, f.producer_rank))
+                n += 1
+        return n
 
     @property
     def num_live(self) -> int:

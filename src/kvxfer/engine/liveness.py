@@ -41,7 +41,8 @@ import time
 from collections.abc import Callable
 
 from kvxfer.errors import AuthError, ClosedError, KvxferError, PeerLostError
-from kvxfer.transport.side_client import fetch_records
+from kvxfer.transport.side_client import fetch_push_failures, fetch_records
+from kvxfer.wire import MAX_LEASE_IDS, PushFailure
 
 __all__ = ["PeerMonitor", "listener_gone"]
 
@@ -95,6 +96,11 @@ class PeerMonitor:
         silence_s: and the least time without an answer from it (0: misses alone).
         on_gone: called with generations proven ended (their process exited or was
             replaced), from heartbeats and end watches alike.
+        pending_pushes: peer key -> the attempts of pushes to it still waiting; after
+            each answered probe, the endpoint is asked which of them it failed without
+            being able to say so over NIXL (:class:`~kvxfer.wire.GetPushStatus`).
+        on_push_failed: called with ``(key, failures)``: those of an endpoint's answer
+            that name a rank and generation the same probe found serving there.
 
     Thread-safety: :meth:`watch`, :meth:`forget`, :meth:`watch_end` and :meth:`close`
     may be called from any thread; the probe thread owns the probing and never dies
@@ -110,8 +116,12 @@ class PeerMonitor:
         auth_key: bytes | None = None,
         on_gone: Callable[[set[int]], object] | None = None,
         silence_s: float = 0.0,
+        pending_pushes: Callable[[str], tuple[int, ...]] | None = None,
+        on_push_failed: Callable[[str, tuple[PushFailure, ...]], object] | None = None,
     ) -> None:
         self._hash = compat_hash
+        self._pending_pushes = pending_pushes
+        self._on_push_failed = on_push_failed
         self._auth_key = auth_key
         self._interval_s = interval_s
         self._on_lost = on_lost
@@ -273,4 +283,23 @@ class PeerMonitor:
         if misses:  # what silence_s forgave: the measure an operator tunes it by
             log.info("peer %s: %s answered again after %d unanswered heartbeats "
                      "(%.1f s without an answer)", key, endpoint, misses, now_s - heard)  # fmt: skip
+        self._ask_pushes(key, endpoint, {r.tp_rank: r.generation for r in recs})
         return None, False
+
+    def _ask_pushes(self, key: str, endpoint: str, serving: dict[int, int]) -> None:
+        """Ask ``endpoint`` (serving these ranks: their generations) which of the pushes
+        still waiting on peer ``key`` it failed unannounced; report those of its ranks."""
+        if self._pending_pushes is None or self._on_push_failed is None:
+            return
+        attempts = self._pending_pushes(key)[:MAX_LEASE_IDS]
+        if not attempts:
+            return
+        try:
+            failed = fetch_push_failures(endpoint, attempts, self._interval_s,
+                                         auth_key=self._auth_key, cancel=self._stop)  # fmt: skip
+        except KvxferError as e:  # no answer now: asked again at the next heartbeat
+            log.debug("push status from %s: %s", endpoint, e)
+            return
+        ours = tuple(f for f in failed if serving.get(f.producer_rank) == f.generation)
+        if ours:
+            self._call(self._on_push_failed, key, ours)

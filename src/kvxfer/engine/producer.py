@@ -133,6 +133,7 @@ class Producer:
                 auth_key=config.auth_key,
                 facts=self.facts,
             )
+            self.server.set_push_status(self._pusher.failures)  # GetPushStatus
         except BaseException as e:
             close_after_failed_start(self.close, e, f"producer {config.engine_id!r}")
             raise

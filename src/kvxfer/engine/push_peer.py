@@ -46,6 +46,7 @@ class PushJob:
     key: tuple[int, str, int] = (0, "", 0)  # (rank, sender, attempt) as submitted
     pending: bool = True  # queued or parked: an Abort for it is remembered exactly
     cancelled: bool = False  # its WRITE runs on, but its consumer gave up (Abort, deadline)
+    wrote: bool = False  # a WRITE (or its WriteDone) went to its consumer's agent
 
 
 def consumer_peer(

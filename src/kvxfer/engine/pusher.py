@@ -5,7 +5,10 @@ its source ranks. The producer's :class:`PushWorker` fetches the consumer engine
 records on first contact (over the consumer's side channel), pairs the layouts from
 the consumer's point of view, prepares the two lists on the producer rank's agent and
 posts one WRITE per (consumer rank, producer rank) with a ``WriteDone`` notification.
-Failures are told to the consumer with ``Failed``. A push naming a hold ticket
+Failures are told to the consumer with ``Failed``; one that cannot be (the consumer's
+agent was never loaded: its records could not be fetched or installed) is remembered
+for the consumer's heartbeat to ask about over the side channel
+(:meth:`PushWorker.failures`, :class:`~kvxfer.wire.GetPushStatus`). A push naming a hold ticket
 (:mod:`kvxfer.engine.holds`) is refused if this rank has ended that hold, and its
 completed WRITE does not free the hold: the consumer's ``ReadDone``, sent after it
 checked the hold's slot word, does.
@@ -46,9 +49,11 @@ from kvxfer.transport.handles import release_each
 from kvxfer.transport.nixl import XferOp, XferState
 from kvxfer.transport.side_client import fetch_records
 from kvxfer.wire import (
+    MAX_LEASE_IDS,
     Failed,
     LayoutRecord,
     ModelFacts,
+    PushFailure,
     PushRequest,
     WriteDone,
     encode_msg,
@@ -61,6 +66,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_CANCELLED = 4096  # remembered cancelled attempts not queued here (a bounded LRU)
+MAX_UNTOLD = 4096  # remembered failures no Failed could announce (a bounded LRU)
 # a cancelled WRITE that NIXL still runs this long past its deadline is released (not
 # confirmed: its consumer's quarantine ends at its own bound, deadline + lease_s)
 CANCEL_LINGER_S = 60.0
@@ -77,8 +83,9 @@ class PushWorker:
     """Serves PushRequests for the ranks of one producer engine, in one thread.
 
     Thread-safety: :meth:`submit`, :meth:`cancel` and :meth:`close` may be called from
-    any thread (they queue commands); every NIXL call of push mode runs on the push
-    thread. The loop survives any exception: the one job fails with a typed error
+    any thread (they queue commands), and :meth:`failures` (the side channel's thread
+    reads the untold failures under ``_lock``); every NIXL call of push mode runs on the
+    push thread. The loop survives any exception: the one job fails with a typed error
     (``Failed`` to its consumer) and the first such error is logged.
 
     Args:
@@ -121,8 +128,10 @@ class PushWorker:
         self._peers: dict[str, ConsumerPeer] = {}
         self._fetching: dict[str, list[PushJob]] = {}  # address -> jobs waiting for its records
         self._writes: list[PushJob] = []
-        self._lock = threading.Lock()  # cancel marks
+        self._lock = threading.Lock()  # cancel marks and the untold failures
         self._cancelled: OrderedDict[tuple[int, str, int], None] = OrderedDict()
+        # (attempt, consumer rank, producer rank) -> a failure no Failed could announce
+        self._untold: OrderedDict[tuple[int, int, int], PushFailure] = OrderedDict()
         # attempts queued or parked here (how many jobs), and those of them cancelled:
         # exact, so no flood of other Aborts pushes a queued job's cancel out of the LRU
         self._pending: Counter[tuple[int, str, int]] = Counter()
@@ -132,6 +141,14 @@ class PushWorker:
         self.num_errors = 0
         self._thread = threading.Thread(target=self._run, name="kvxfer-push", daemon=True)
         self._thread.start()
+
+    def failures(self, attempts: tuple[int, ...]) -> tuple[PushFailure, ...]:
+        """The remembered failures of these push attempts that no ``Failed`` could
+        announce (any thread: the side channel's answers GetPushStatus from it)."""
+        asked = set(attempts)
+        with self._lock:
+            found = [f for (a, _, _), f in self._untold.items() if a in asked]
+        return tuple(found[:MAX_LEASE_IDS])
 
     def submit(self, rank: int, sender: str, req: PushRequest, deadline: float) -> None:
         """Queue a push request received by producer rank ``rank`` from agent ``sender``;
@@ -452,6 +469,7 @@ class PushWorker:
         if self._is_cancelled(job) or time.monotonic() >= job.deadline:
             self._confirm(job)  # the fetch took the time that was left
             return
+        job.wrote = True  # from here its consumer's agent may receive something of it
         if ids.num_descriptors == 0:
             backend.send_notif(job.sender, encode_msg(done))
             self._written(job)
@@ -539,8 +557,19 @@ class PushWorker:
             self._drop(req.consumer_address)  # disconnected: forget it (no leak, no stale agent)
             return
         if not job.sender:
-            return  # the consumer is unknown: it learns by its deadline
+            return  # not the consumer it names (a forged sender): tell no one
         reason = f"{type(error).__name__}: {error}"[:1000]
+        if not job.wrote and not self._known(job.sender):
+            # its consumer's agent was never loaded (its records could not be fetched or
+            # installed): no Failed can go, and nothing was written there. Its heartbeat
+            # asks over the side channel (GetPushStatus) instead of waiting its deadline
+            failure = PushFailure(req.request_id, req.attempt, self._generation, job.rank,
+                                  req.consumer_rank, reason)  # fmt: skip
+            with self._lock:
+                self._untold[(req.attempt, req.consumer_rank, job.rank)] = failure
+                while len(self._untold) > MAX_UNTOLD:
+                    self._untold.popitem(last=False)
+            return
         self._notify(
             job.rank, job.sender, Failed(req.request_id, self._generation, reason, req.attempt)
         )

@@ -9,7 +9,10 @@ one host.
 
 Frames: a client sends one frame, ``encode_side(GetRecords(...))`` (a REQ client's
 empty delimiter frame is accepted too); the server replies with one frame,
-``encode_side(Records(...))`` or ``encode_side(ErrorReply(...))``.
+``encode_side(Records(...))`` or ``encode_side(ErrorReply(...))``. A producer also
+answers :class:`~kvxfer.wire.GetPushStatus` (which of these push attempts did it fail
+without being able to tell the consumer over NIXL) with a
+:class:`~kvxfer.wire.PushStatus`, from :meth:`SideChannelServer.set_push_status`'s source.
 
 Authentication (:mod:`kvxfer.wire.auth`): with a deployment key, the request is that
 frame sealed for ``SIDE_REQUEST`` and the reply is sealed for ``SIDE_REPLY`` with the
@@ -40,7 +43,10 @@ from kvxfer.wire import (
     MAX_SIDE_REPLY_BYTES,
     MAX_SIDE_REQUEST_BYTES,
     ErrorReply,
+    GetPushStatus,
     GetRecords,
+    PushFailure,
+    PushStatus,
     Records,
     decode_side,
     encode_side,
@@ -59,12 +65,14 @@ from kvxfer.wire.auth import (
 )
 from kvxfer.wire.records import MODEL_MARK
 
-__all__ = ["RecordSource", "SideChannelServer", "is_loopback"]
+__all__ = ["PushStatusSource", "RecordSource", "SideChannelServer", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
 RecordSource = Mapping[int, bytes] | Callable[[], Mapping[int, bytes]]
 """Encoded record envelopes by TP rank, or a callable returning them per request."""
+PushStatusSource = Callable[[tuple[int, ...]], tuple[PushFailure, ...]]
+"""The push attempts asked about -> the unannounced failures among them."""
 
 _POLL_MS = 50  # how often the server thread checks for stop()
 _BATCH = 256  # requests handled per poll
@@ -114,6 +122,7 @@ class SideChannelServer:
         self._key = auth_key
         self._guard = ReplayGuard()
         self._records: RecordSource = records_by_rank
+        self._push_status: PushStatusSource | None = None  # a producer's failed pushes
         self._max_request_bytes = max_request_bytes
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -137,6 +146,12 @@ class SideChannelServer:
         with self._lock:
             self._records = records_by_rank
             self._cache = {}
+
+    def set_push_status(self, source: PushStatusSource | None) -> None:
+        """Answer GetPushStatus from ``source`` (attempts asked -> the failures among
+        them; called in the server thread, so it must be thread-safe and quick)."""
+        with self._lock:
+            self._push_status = source
 
     def start(self) -> SideChannelServer:
         """Bind the socket (errors raise here, in the caller) and start the serving thread."""
@@ -287,7 +302,7 @@ class SideChannelServer:
             self._cache_hit = True  # counted as served once it is sent
         return buf
 
-    def _answer_safe(self, body: bytes) -> ErrorReply | Records:
+    def _answer_safe(self, body: bytes) -> ErrorReply | Records | PushStatus:
         try:
             return self._answer(body)
         except Exception as e:  # the server must outlive any input or record source
@@ -295,17 +310,21 @@ class SideChannelServer:
             return ErrorReply("internal", f"{type(e).__name__}: {e}"[:MAX_REASON_LEN])
 
     @staticmethod
-    def _encode(reply: ErrorReply | Records) -> bytes:
+    def _encode(reply: ErrorReply | Records | PushStatus) -> bytes:
         buf = encode_side(reply)
         if len(buf) > MAX_SIDE_REPLY_BYTES:
             buf = encode_side(ErrorReply("too_large", f"reply of {len(buf)} bytes"))
         return buf
 
-    def _answer(self, body: bytes) -> ErrorReply | Records:
+    def _answer(self, body: bytes) -> ErrorReply | Records | PushStatus:
         try:
             req = decode_side(body, self._max_request_bytes)
         except ProtocolError as e:
             return self._reject(str(e))
+        if isinstance(req, GetPushStatus):
+            with self._lock:
+                status = self._push_status
+            return PushStatus(status(req.attempts) if status is not None else ())
         if not isinstance(req, GetRecords):
             return self._reject(f"expected GetRecords, got {type(req).__name__}")
         with self._lock:

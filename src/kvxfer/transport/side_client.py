@@ -1,12 +1,14 @@
 """The handshake side channel over ZMQ, client side: :func:`fetch_records` asks a
 producer's :class:`~kvxfer.transport.side_channel.SideChannelServer` for its ranks'
-records (frames and authentication as described there)."""
+records, and :func:`fetch_push_failures` asks it which pushes it failed unannounced
+(frames and authentication as described there)."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+from typing import NoReturn
 
 import zmq
 
@@ -22,10 +24,14 @@ from kvxfer.wire import (
     MAX_RANKS,
     MAX_SIDE_REPLY_BYTES,
     ErrorReply,
+    GetPushStatus,
     GetRecords,
     LayoutRecord,
     ModelFacts,
+    PushFailure,
+    PushStatus,
     Records,
+    SideMsg,
     decode_record,
     decode_side,
     encode_side,
@@ -42,7 +48,7 @@ from kvxfer.wire.auth import (
     open_frame,
 )
 
-__all__ = ["CANCEL_POLL_S", "fetch_records"]
+__all__ = ["CANCEL_POLL_S", "fetch_push_failures", "fetch_records"]
 
 CANCEL_POLL_S = 0.05  # how often a cancellable fetch looks at its cancel event
 
@@ -139,7 +145,62 @@ def fetch_records(
     """
     if ranks is not None and (len(ranks) > MAX_RANKS or any(not 0 <= r < 1 << 32 for r in ranks)):
         raise ConfigError(f"ranks must be at most {MAX_RANKS} ints in [0, 2**32), got {ranks}")
-    request = encode_side(GetRecords(None if ranks is None else tuple(ranks), expected_hash))
+    get = GetRecords(None if ranks is None else tuple(ranks), expected_hash)
+    reply = _exchange(address, get, timeout_s, auth_key, cancel)
+    if isinstance(reply, ErrorReply):
+        _refused(address, reply, auth_key, facts)
+    if not isinstance(reply, Records):
+        raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")
+    if ranks is not None and len(reply.records) != len(ranks):
+        raise ProtocolError(
+            f"side channel {address}: asked for {len(ranks)} records, got {len(reply.records)}"
+        )
+    out = [decode_record(buf, expected_hash) for buf in reply.records]
+    for i, rec in enumerate(out):
+        if ranks is not None and rec.tp_rank != ranks[i]:
+            raise ProtocolError(
+                f"side channel {address}: record {i} is for tp_rank {rec.tp_rank}, "
+                f"asked for {ranks[i]}"
+            )
+    return out
+
+
+def fetch_push_failures(
+    address: str,
+    attempts: tuple[int, ...],
+    timeout_s: float,
+    *,
+    auth_key: bytes | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[PushFailure, ...]:
+    """Ask the producer process at ``address`` which of these push ``attempts`` it failed
+    without being able to tell this consumer over NIXL (:class:`~kvxfer.wire.PushStatus`).
+
+    Returns the failures among ``attempts`` (others the reply names are dropped); empty
+    from a kvxfer that predates the question (it refuses it as malformed). Raises as
+    :func:`fetch_records` does.
+    """
+    reply = _exchange(address, GetPushStatus(attempts), timeout_s, auth_key, cancel)
+    if isinstance(reply, ErrorReply):
+        if reply.code == "malformed":
+            return ()  # an older server: it answers GetRecords only
+        _refused(address, reply, auth_key, None)
+    if not isinstance(reply, PushStatus):
+        raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")
+    asked = set(attempts)
+    return tuple(f for f in reply.failed if f.attempt in asked)
+
+
+def _exchange(
+    address: str,
+    msg: GetRecords | GetPushStatus,
+    timeout_s: float,
+    auth_key: bytes | None,
+    cancel: threading.Event | None,
+) -> SideMsg:
+    """Send ``msg`` to the server at ``address`` (sealed with ``auth_key``) and return its
+    decoded, authenticated reply."""
+    request = encode_side(msg)
     if auth_key is not None:
         request = _client_sealer(auth_key).seal(request)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -165,30 +226,21 @@ def fetch_records(
         sock.close(linger=0)
     if len(frames) != 1:
         raise ProtocolError(f"side channel {address}: expected one reply frame, got {len(frames)}")
-    reply = decode_side(_open_reply(address, frames[0], auth_key, request), MAX_SIDE_REPLY_BYTES)
-    if isinstance(reply, ErrorReply):
-        if reply.code == "unauthorized" and auth_key is None:
-            raise AuthError(
-                f"side channel {address}: the server requires authentication: configure "
-                f"the deployment key (EngineConfig.auth_key or {ENV_KEY})"
-            )
-        cls = IncompatibleError if reply.code == "incompatible" else ProtocolError
-        cls = AuthError if reply.code == "unauthorized" else cls
-        message = reply.message
-        if cls is IncompatibleError and facts is not None:
-            message = explain_mismatch(message, facts)
-        raise cls(f"side channel {address}: {reply.code}: {message}")
-    if not isinstance(reply, Records):
-        raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")
-    if ranks is not None and len(reply.records) != len(ranks):
-        raise ProtocolError(
-            f"side channel {address}: asked for {len(ranks)} records, got {len(reply.records)}"
+    return decode_side(_open_reply(address, frames[0], auth_key, request), MAX_SIDE_REPLY_BYTES)
+
+
+def _refused(
+    address: str, reply: ErrorReply, auth_key: bytes | None, facts: ModelFacts | None
+) -> NoReturn:
+    """Raise the typed error for the server's refusal ``reply``."""
+    if reply.code == "unauthorized" and auth_key is None:
+        raise AuthError(
+            f"side channel {address}: the server requires authentication: configure "
+            f"the deployment key (EngineConfig.auth_key or {ENV_KEY})"
         )
-    out = [decode_record(buf, expected_hash) for buf in reply.records]
-    for i, rec in enumerate(out):
-        if ranks is not None and rec.tp_rank != ranks[i]:
-            raise ProtocolError(
-                f"side channel {address}: record {i} is for tp_rank {rec.tp_rank}, "
-                f"asked for {ranks[i]}"
-            )
-    return out
+    cls = IncompatibleError if reply.code == "incompatible" else ProtocolError
+    cls = AuthError if reply.code == "unauthorized" else cls
+    message = reply.message
+    if cls is IncompatibleError and facts is not None:
+        message = explain_mismatch(message, facts)
+    raise cls(f"side channel {address}: {reply.code}: {message}")

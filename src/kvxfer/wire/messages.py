@@ -29,7 +29,7 @@ from kvxfer.wire.limits import (
 from kvxfer.wire.limits import decode_bounded as _decode
 
 # ---------------------------------------------------------------- notifications
-# Tags in use (never reuse one): rd wd ab fl lr hb pr cx | get recs err
+# Tags in use (never reuse one): rd wd ab fl lr hb pr cx | get recs err gps ps
 #
 # Attempt ids (schema 2): every request-scoped notification carries the ``attempt`` of
 # the consumer's request attempt (a random 63-bit id per read()/push() call). Receivers
@@ -226,7 +226,33 @@ class ErrorReply(_Msg, frozen=True, tag="err"):
     message: Reason
 
 
-SideMsg = GetRecords | Records | ErrorReply
+class PushFailure(Struct, frozen=True):
+    """One push a producer process failed without being able to tell its consumer over
+    NIXL (the consumer's agent was never loaded: its records could not be fetched or
+    installed), as remembered for :class:`GetPushStatus`."""
+
+    request_id: RequestId
+    attempt: U64
+    generation: U64  # the failing producer rank's incarnation
+    producer_rank: SmallInt
+    consumer_rank: SmallInt
+    reason: Reason
+
+
+class GetPushStatus(_Msg, frozen=True, tag="gps"):
+    """Ask a producer process which of these push attempts it failed unannounced (a
+    consumer asks for its pushes still waiting, at its heartbeat)."""
+
+    attempts: Annotated[tuple[U64, ...], Meta(max_length=MAX_LEASE_IDS)]
+
+
+class PushStatus(_Msg, frozen=True, tag="ps"):
+    """Reply to GetPushStatus: the failures among the attempts asked for (none: empty)."""
+
+    failed: Annotated[tuple[PushFailure, ...], Meta(max_length=MAX_LEASE_IDS)]
+
+
+SideMsg = GetRecords | Records | ErrorReply | GetPushStatus | PushStatus
 _SIDE = msgspec.msgpack.Decoder(SideMsg)
 
 
