@@ -109,3 +109,45 @@ def test_an_announced_consumer_of_another_model_is_refused_naming_what_differs(
             assert "the models differ in kv_dtype: 'fp8_e5m2' there, 'bfloat16' here" in line, line
             assert "model_name" not in line.split("differ in", 1)[1], line
         _push_ok(spec, local, cons, prod, "r1", 4, 11)  # the producer serves on
+
+
+def test_a_restarted_consumer_announcing_itself_is_contacted_again_before_its_first_push() -> None:
+    """A decode restarted at the same side-channel address announces its new incarnation
+    at first contact; the producer fetches it then (it had skipped every known address),
+    so the new decode's first push does not pay the contact on its path (review finding
+    of stop 29). A repeated announcement of the incarnation it has costs nothing."""
+    from kvxfer.engine import Consumer, EngineConfig, allocate_cache
+    from kvxfer.errors import TransferError
+
+    with local_pair(16) as (spec, _, prod, _):
+        fetches = _count_fetches(prod)
+        addr = f"tcp://127.0.0.1:{free_port()}"
+
+        def start() -> Consumer:
+            cfg = EngineConfig("dr", model_name="tiny-gqa", side_channel_addr=addr,
+                               push_contact=True)  # fmt: skip
+            end = time.monotonic() + 5.0
+            while True:  # the old incarnation's port is freed by ZMQ's IO thread
+                try:
+                    return Consumer(cfg, [(spec, allocate_cache(spec))])
+                except TransferError:
+                    if time.monotonic() > end:
+                        raise
+                    time.sleep(0.05)
+
+        with start() as old:
+            old.connect(prod.address)
+            assert _until(lambda: addr in prod._pusher._peers)
+        with start() as new:
+            new.connect(prod.address)
+            assert _until(lambda: prod._pusher._peers.get(addr) is not None
+                          and prod._pusher._peers[addr].generation == new.generation)  # fmt: skip
+            assert fetches == [addr, addr]
+            local = new.ranks[0].bufs
+            t = new.push("r1", prod.address, local_block_ids=[2], remote_block_ids=[9])
+            assert t.wait(10) is RequestState.DONE, t.error
+            assert mismatches(spec, local, spec, np.array([2]), np.array([9])) == 0
+            new._drop_peer(new._peers[prod.address])  # announced again: the same incarnation
+            new.connect(prod.address)
+            time.sleep(0.3)
+            assert fetches == [addr, addr]  # neither the push nor the repeat fetched

@@ -161,9 +161,11 @@ class PushWorker:
     def precontact(self, address: str, generation: int) -> None:
         """A consumer announced itself (``Heartbeat`` with its address): fetch its records
         and add its agents now, so its first push finds it contacted. Only an address
-        not known and not being fetched is contacted (an announcement never replaces a
-        known consumer), within the MAX_FETCHES bound; a failed fetch is only logged
-        (its first push contacts it again)."""
+        not known, or known with another incarnation than ``generation`` (it restarted
+        there; 0: any), and not being fetched is contacted, within the MAX_FETCHES
+        bound; a fetch that finds the incarnation already known keeps it (with its
+        WRITEs in flight); a failed fetch is only logged (its first push contacts it
+        again)."""
         self._jobs.put(("precontact", (address, generation)))
 
     def cancel(self, rank: int, sender: str, request_id: str, attempt: int) -> None:
@@ -229,9 +231,13 @@ class PushWorker:
             self._cancel(rank, sender, rid, attempt)
             return
         if kind == "precontact":
-            address, _ = cast(tuple[str, int], arg)
-            known = address in self._peers or address in self._fetching
-            if not known and len(self._fetching) < MAX_FETCHES:
+            address, generation = cast(tuple[str, int], arg)
+            peer = self._peers.get(address)
+            # a known consumer is fetched again only when it names another incarnation
+            # (it restarted there); the fetch goes to its address, and _install keeps an
+            # entry whose agents did not change, so a false announcement costs one fetch
+            known = peer is not None and generation in (0, peer.generation)
+            if not known and address not in self._fetching and len(self._fetching) < MAX_FETCHES:
                 self._start_fetch(address, [])
             return
         assert isinstance(arg, PushJob)
