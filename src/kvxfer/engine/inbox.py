@@ -79,13 +79,16 @@ class Inbox:
         with self._lock:
             return list(self._live.values())
 
-    def pending_pushes(self, address: str) -> tuple[int, ...]:
-        """The attempts of posted pushes to the producer at ``address`` not ended yet."""
+    def pending_pushes(self, address: str, posted_before: float) -> tuple[int, ...]:
+        """The attempts of pushes to the producer at ``address``, posted before
+        ``posted_before`` (``time.perf_counter``), with a producer rank that has neither
+        written nor settled: ended ones too (FAILED by one rank's failure, a TIMEOUT),
+        whose blocks stay quarantined until every rank settled."""
         with self._lock:
             return tuple(
                 a for a, t in self._live.items()
-                if t.op is XferOp.WRITE and t.posted_at and not t.state.is_terminal
-                and t.peer.address == address
+                if t.op is XferOp.WRITE and 0 < t.posted_at < posted_before
+                and t.peer.address == address and not t.expected <= (t.written | t.settled)
             )  # fmt: skip
 
     def push_failed(self, address: str, failures: tuple[PushFailure, ...]) -> int:

@@ -96,9 +96,12 @@ class PeerMonitor:
         silence_s: and the least time without an answer from it (0: misses alone).
         on_gone: called with generations proven ended (their process exited or was
             replaced), from heartbeats and end watches alike.
-        pending_pushes: peer key -> the attempts of pushes to it still waiting; after
-            each answered probe, the endpoint is asked which of them it failed without
-            being able to say so over NIXL (:class:`~kvxfer.wire.GetPushStatus`).
+        pending_pushes: ``(peer key, posted before)`` -> the attempts of pushes to it
+            still waiting that were posted before that time (``time.perf_counter``: a
+            heartbeat ago); after each answered probe, the endpoint is asked which of
+            them it failed without being able to say so over NIXL
+            (:class:`~kvxfer.wire.GetPushStatus`). An endpoint that refuses the question
+            (an older kvxfer) is not asked again while it runs the same generations.
         on_push_failed: called with ``(key, failures)``: those of an endpoint's answer
             that name a rank and generation the same probe found serving there.
 
@@ -116,12 +119,13 @@ class PeerMonitor:
         auth_key: bytes | None = None,
         on_gone: Callable[[set[int]], object] | None = None,
         silence_s: float = 0.0,
-        pending_pushes: Callable[[str], tuple[int, ...]] | None = None,
+        pending_pushes: Callable[[str, float], tuple[int, ...]] | None = None,
         on_push_failed: Callable[[str, tuple[PushFailure, ...]], object] | None = None,
     ) -> None:
         self._hash = compat_hash
         self._pending_pushes = pending_pushes
         self._on_push_failed = on_push_failed
+        self._no_push_status: dict[str, frozenset[int]] = {}  # endpoint -> its generations
         self._auth_key = auth_key
         self._interval_s = interval_s
         self._on_lost = on_lost
@@ -283,7 +287,10 @@ class PeerMonitor:
         if misses:  # what silence_s forgave: the measure an operator tunes it by
             log.info("peer %s: %s answered again after %d unanswered heartbeats "
                      "(%.1f s without an answer)", key, endpoint, misses, now_s - heard)  # fmt: skip
-        self._ask_pushes(key, endpoint, {r.tp_rank: r.generation for r in recs})
+        try:  # optional: whatever goes wrong here is no verdict on a peer that answered
+            self._ask_pushes(key, endpoint, {r.tp_rank: r.generation for r in recs})
+        except Exception as e:
+            log.warning("push status from %s failed: %r", endpoint, e)
         return None, False
 
     def _ask_pushes(self, key: str, endpoint: str, serving: dict[int, int]) -> None:
@@ -291,14 +298,22 @@ class PeerMonitor:
         still waiting on peer ``key`` it failed unannounced; report those of its ranks."""
         if self._pending_pushes is None or self._on_push_failed is None:
             return
-        attempts = self._pending_pushes(key)[:MAX_LEASE_IDS]
+        gens = frozenset(serving.values())
+        if self._no_push_status.get(endpoint) == gens:
+            return  # it refused the question (an older kvxfer)
+        attempts = self._pending_pushes(key, time.perf_counter() - self._interval_s)
         if not attempts:
             return
         try:
-            failed = fetch_push_failures(endpoint, attempts, self._interval_s,
+            failed = fetch_push_failures(endpoint, attempts[:MAX_LEASE_IDS], self._interval_s,
                                          auth_key=self._auth_key, cancel=self._stop)  # fmt: skip
         except KvxferError as e:  # no answer now: asked again at the next heartbeat
             log.debug("push status from %s: %s", endpoint, e)
+            return
+        if failed is None:
+            if len(self._no_push_status) >= 1024:
+                self._no_push_status.clear()
+            self._no_push_status[endpoint] = gens
             return
         ours = tuple(f for f in failed if serving.get(f.producer_rank) == f.generation)
         if ours:

@@ -130,8 +130,8 @@ class PushWorker:
         self._writes: list[PushJob] = []
         self._lock = threading.Lock()  # cancel marks and the untold failures
         self._cancelled: OrderedDict[tuple[int, str, int], None] = OrderedDict()
-        # (attempt, consumer rank, producer rank) -> a failure no Failed could announce
-        self._untold: OrderedDict[tuple[int, int, int], PushFailure] = OrderedDict()
+        # attempt -> (consumer rank, producer rank) -> a failure no Failed could announce
+        self._untold: OrderedDict[int, dict[tuple[int, int], PushFailure]] = OrderedDict()
         # attempts queued or parked here (how many jobs), and those of them cancelled:
         # exact, so no flood of other Aborts pushes a queued job's cancel out of the LRU
         self._pending: Counter[tuple[int, str, int]] = Counter()
@@ -145,9 +145,10 @@ class PushWorker:
     def failures(self, attempts: tuple[int, ...]) -> tuple[PushFailure, ...]:
         """The remembered failures of these push attempts that no ``Failed`` could
         announce (any thread: the side channel's answers GetPushStatus from it)."""
-        asked = set(attempts)
+        found: list[PushFailure] = []
         with self._lock:
-            found = [f for (a, _, _), f in self._untold.items() if a in asked]
+            for a in dict.fromkeys(attempts):
+                found.extend(self._untold.get(a, {}).values())
         return tuple(found[:MAX_LEASE_IDS])
 
     def submit(self, rank: int, sender: str, req: PushRequest, deadline: float) -> None:
@@ -568,11 +569,18 @@ class PushWorker:
         if not job.wrote and not self._known(job.sender):
             # its consumer's agent was never loaded (its records could not be fetched or
             # installed): no Failed can go, and nothing was written there. Its heartbeat
-            # asks over the side channel (GetPushStatus) instead of waiting its deadline
+            # asks over the side channel (GetPushStatus) instead of waiting its deadline.
+            # Not if another job of the same attempt and ranks writes (a forged sender
+            # with a copied attempt id, naming another address): the pair is not settled
+            pair = (req.consumer_rank, job.rank)
+            if any(j.req.attempt == req.attempt and (j.req.consumer_rank, j.rank) == pair
+                   for j in self._writes):  # fmt: skip
+                return
             failure = PushFailure(req.request_id, req.attempt, self._generation, job.rank,
                                   req.consumer_rank, reason)  # fmt: skip
             with self._lock:
-                self._untold[(req.attempt, req.consumer_rank, job.rank)] = failure
+                self._untold.setdefault(req.attempt, {})[pair] = failure
+                self._untold.move_to_end(req.attempt)
                 while len(self._untold) > MAX_UNTOLD:
                     self._untold.popitem(last=False)
             return

@@ -76,7 +76,11 @@ def _open_reply(address: str, frame: bytes, key: bytes | None, request: bytes) -
         return frame
     if not is_sealed(frame):
         reply = decode_side(frame, MAX_SIDE_REPLY_BYTES)
-        what = f"{reply.code}: {reply.message}" if isinstance(reply, ErrorReply) else "records"
+        what = (
+            f"{reply.code}: {reply.message}"
+            if isinstance(reply, ErrorReply)
+            else type(reply).__name__
+        )
         raise AuthError(
             f"side channel {address}: the server did not authenticate its reply ({what}); "
             "both sides need the same deployment key"
@@ -172,18 +176,18 @@ def fetch_push_failures(
     *,
     auth_key: bytes | None = None,
     cancel: threading.Event | None = None,
-) -> tuple[PushFailure, ...]:
+) -> tuple[PushFailure, ...] | None:
     """Ask the producer process at ``address`` which of these push ``attempts`` it failed
     without being able to tell this consumer over NIXL (:class:`~kvxfer.wire.PushStatus`).
 
-    Returns the failures among ``attempts`` (others the reply names are dropped); empty
-    from a kvxfer that predates the question (it refuses it as malformed). Raises as
-    :func:`fetch_records` does.
+    Returns the failures among ``attempts`` (others the reply names are dropped), or
+    None from a kvxfer that predates the question (it refuses it as malformed). Raises
+    as :func:`fetch_records` does.
     """
     reply = _exchange(address, GetPushStatus(attempts), timeout_s, auth_key, cancel)
     if isinstance(reply, ErrorReply):
         if reply.code == "malformed":
-            return ()  # an older server: it answers GetRecords only
+            return None  # an older server: it answers GetRecords only
         _refused(address, reply, auth_key, None)
     if not isinstance(reply, PushStatus):
         raise ProtocolError(f"side channel {address}: unexpected reply {type(reply).__name__}")
