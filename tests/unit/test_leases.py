@@ -305,6 +305,36 @@ def test_an_ack_that_arrives_before_the_hold_counts_once_the_hold_comes() -> Non
     assert t.ack("half", 1, expected=2, now=6.2) is True
 
 
+def test_a_late_ack_of_a_released_hold_does_not_free_a_new_hold_of_that_id() -> None:
+    """An ack that comes after its hold ended (by lease, abort or reads) is late, not
+    early: it must not count toward a new hold of the same request id made within
+    ``early_ack_s`` (review finding of stop 29: the new hold was freed at once, and its
+    reader could read blocks already reused). The new hold then waits for its own acks."""
+    for end in ("expire", "abort", "read"):
+        t = LeaseTable(30.0)
+        t.hold("r", 2, now=0.0, lease_s=1.0)
+        if end == "expire":
+            assert t.expire(now=1.5) == ["r"]
+        elif end == "abort":
+            assert t.abort("r")
+        else:
+            assert t.ack("r", 0, expected=1, now=0.5) is True
+        t.pop_freed()
+        assert t.ack("r", 0, expected=1, now=2.0) is False  # the late (or duplicate) ack
+        t.hold("r", 3, now=2.5)  # the id reused within early_ack_s
+        assert t.pop_freed() == [] and t.held_blocks == 3, end
+        assert t.ack("r", 0, expected=1, now=3.0) is True  # its own reader frees it
+    # past early_ack_s after the release, an ack before a hold is early again
+    t = LeaseTable(30.0)
+    t.hold("q", 1, now=0.0)
+    assert t.abort("q")
+    later = t.early_ack_s + 1.0
+    t.expire(now=later)
+    t.ack("q", 0, expected=1, now=later)
+    t.hold("q", 1, now=later + 0.1)
+    assert t.pop_freed()[-1] == ("q", FreeReason.READ)
+
+
 def test_early_acks_are_forgotten_after_a_while_and_bounded() -> None:
     t = LeaseTable(30.0)
     t.ack("old", 0, expected=1, now=0.0)

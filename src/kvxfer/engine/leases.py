@@ -77,6 +77,12 @@ class LeaseTable:
         # seen); a hold within early_ack_s counts them (oldest dropped past the bound)
         self._early: dict[str, tuple[set[int], int, float]] = {}
         self.early_ack_s = 10.0
+        # requests released within early_ack_s -> when: an ack for one then is late (its
+        # READ outlived the hold, or a duplicate), not early, and is never remembered for
+        # a new hold of the same id (bounded like _early, oldest dropped first)
+        self._released: dict[str, float] = {}
+        self.num_late_acks = 0
+        self._clock = 0.0  # the latest ``now`` a caller gave (abort() is given none)
 
     @property
     def held_blocks(self) -> int:
@@ -127,6 +133,7 @@ class LeaseTable:
             else check_seconds("lease_s", lease_s, allow_zero=True)
         )
         expires = now + lease
+        self._clock = max(self._clock, now)
         self._entries[request_id] = _Entry(num_blocks, expires, lease)
         self._push(request_id, expires)
         acks = self._early.pop(request_id, None)
@@ -144,10 +151,19 @@ class LeaseTable:
         Idempotent per consumer rank. Acks for requests not held are counted in
         ``num_unknown_acks``; with ``now`` they are also remembered (bounded, for
         ``early_ack_s``), so an ack that overtook its hold counts when the hold comes.
+        An ack for a request released within ``early_ack_s`` is late (its READ outlived
+        the hold, or a duplicate): counted in ``num_late_acks`` and never remembered,
+        so a new hold of the same id is not freed by an ack of the one that ended.
         """
+        if now is not None:
+            self._clock = max(self._clock, now)
         entry = self._entries.get(request_id)
         if entry is None:
             self.num_unknown_acks += 1
+            released = self._released.get(request_id)
+            if now is not None and released is not None and now - released <= self.early_ack_s:
+                self.num_late_acks += 1  # of the hold that ended: no new hold may count it
+                return False
             if now is not None:
                 ranks, _, seen = self._early.pop(request_id, (set(), expected, now))
                 ranks.add(consumer_rank)
@@ -194,12 +210,18 @@ class LeaseTable:
     def expire(self, now: float) -> list[str]:
         """Release every request whose lease ended at or before ``now``; return their ids."""
         out: list[str] = []
+        self._clock = max(self._clock, now)
         # forget early acks from the oldest on (dict order is about arrival order)
         while self._early:
             rid = next(iter(self._early))
             if now - self._early[rid][2] <= self.early_ack_s:
                 break
             del self._early[rid]
+        while self._released:
+            rid = next(iter(self._released))
+            if now - self._released[rid] <= self.early_ack_s:
+                break
+            del self._released[rid]
         while self._heap and self._heap[0][0] <= now:
             expires_at, _, rid = heapq.heappop(self._heap)
             entry = self._entries.get(rid)
@@ -216,3 +238,7 @@ class LeaseTable:
     def _release(self, request_id: str, reason: FreeReason) -> None:
         del self._entries[request_id]
         self._freed.append((request_id, reason))
+        self._released.pop(request_id, None)  # re-inserted last: the dict stays time-ordered
+        self._released[request_id] = self._clock
+        while len(self._released) > MAX_EARLY_ACKS:
+            del self._released[next(iter(self._released))]
