@@ -160,3 +160,33 @@ def test_a_failed_construction_whose_cleanup_also_fails_raises_the_construction_
     assert "this part failed to close" in notes, notes
     made[0].close()  # the retry the note's reader can make: the agent then closes
     assert _closed(made[0])
+
+
+def test_a_second_close_during_a_close_returns_at_once_and_the_first_finishes() -> None:
+    """Two threads closing one consumer: the second call returns while the first is
+    still under way (it neither waits for it nor closes anything twice), and the first
+    closes everything (review finding of stop 30: no test of a concurrent close)."""
+    import threading
+    import time
+
+    with local_pair() as (_, _, _, cons):
+        caches = list(cons.ranks.values())
+        inside, real = threading.Event(), cons._progress.close
+
+        def slow_close() -> None:  # the first call's step outside the engine lock
+            inside.set()
+            time.sleep(0.5)
+            real()
+
+        cons._progress.close = slow_close  # type: ignore[method-assign]
+        first = threading.Thread(target=cons.close)
+        first.start()
+        assert inside.wait(5.0)
+        t0 = time.monotonic()
+        cons.close()  # the second call
+        took = time.monotonic() - t0
+        assert first.is_alive() and took < 0.4, took  # it did not wait for the first
+        first.join(10.0)
+        assert not first.is_alive()
+        assert cons.ranks == {} and cons.server is None
+        assert all(_closed(c.backend) for c in caches)
