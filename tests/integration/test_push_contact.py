@@ -117,7 +117,7 @@ def test_a_restarted_consumer_announcing_itself_is_contacted_again_before_its_fi
     so the new decode's first push does not pay the contact on its path (review finding
     of stop 29). A repeated announcement of the incarnation it has costs nothing."""
     from kvxfer.engine import Consumer, EngineConfig, allocate_cache
-    from kvxfer.errors import TransferError
+    from kvxfer.errors import KvxferError
 
     with local_pair(16) as (spec, _, prod, _):
         fetches = _count_fetches(prod)
@@ -130,7 +130,7 @@ def test_a_restarted_consumer_announcing_itself_is_contacted_again_before_its_fi
             while True:  # the old incarnation's port is freed by ZMQ's IO thread
                 try:
                     return Consumer(cfg, [(spec, allocate_cache(spec))])
-                except TransferError:
+                except KvxferError:  # its port still bound: a ConfigError
                     if time.monotonic() > end:
                         raise
                     time.sleep(0.05)

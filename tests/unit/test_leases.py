@@ -310,13 +310,15 @@ def test_a_late_ack_of_a_released_hold_does_not_free_a_new_hold_of_that_id() -> 
     early: it must not count toward a new hold of the same request id made within
     ``early_ack_s`` (review finding of stop 29: the new hold was freed at once, and its
     reader could read blocks already reused). The new hold then waits for its own acks."""
-    for end in ("expire", "abort", "read"):
+    for end in ("expire", "abort", "read", "forget"):
         t = LeaseTable(30.0)
         t.hold("r", 2, now=0.0, lease_s=1.0)
         if end == "expire":
             assert t.expire(now=1.5) == ["r"]
         elif end == "abort":
-            assert t.abort("r")
+            assert t.abort("r", now=1.5)
+        elif end == "forget":  # the producer's release(): its owner frees the blocks
+            assert t.forget("r", now=1.5)
         else:
             assert t.ack("r", 0, expected=1, now=0.5) is True
         t.pop_freed()

@@ -133,7 +133,7 @@ class LeaseTable:
             else check_seconds("lease_s", lease_s, allow_zero=True)
         )
         expires = now + lease
-        self._clock = max(self._clock, now)
+        self._tick(now)
         self._entries[request_id] = _Entry(num_blocks, expires, lease)
         self._push(request_id, expires)
         acks = self._early.pop(request_id, None)
@@ -153,15 +153,18 @@ class LeaseTable:
         ``early_ack_s``), so an ack that overtook its hold counts when the hold comes.
         An ack for a request released within ``early_ack_s`` is late (its READ outlived
         the hold, or a duplicate): counted in ``num_late_acks`` and never remembered,
-        so a new hold of the same id is not freed by an ack of the one that ended.
+        so a new hold of the same id is not freed by an ack of the one that ended. An
+        unbound hold cannot tell a late ack that comes after a new hold of the same id
+        from that hold's own: only hold tickets (:mod:`kvxfer.engine.holds`) separate
+        two holds of one id fully; and a true early ack of an id reused within
+        ``early_ack_s`` is taken for late (the new hold then waits for its lease).
         """
-        if now is not None:
-            self._clock = max(self._clock, now)
+        self._tick(now)
         entry = self._entries.get(request_id)
         if entry is None:
             self.num_unknown_acks += 1
             released = self._released.get(request_id)
-            if now is not None and released is not None and now - released <= self.early_ack_s:
+            if now is not None and released is not None and 0 <= now - released <= self.early_ack_s:
                 self.num_late_acks += 1  # of the hold that ended: no new hold may count it
                 return False
             if now is not None:
@@ -194,23 +197,34 @@ class LeaseTable:
             self._push(request_id, expires)
         return True
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, now: float | None = None) -> bool:
         """Release a request now; False if it was not held (idempotent)."""
+        self._tick(now)
         if request_id not in self._entries:
             return False
         self._release(request_id, FreeReason.ABORTED)
         return True
 
-    def forget(self, request_id: str) -> bool:
+    def forget(self, request_id: str, now: float | None = None) -> bool:
         """Stop holding a request without reporting it in :meth:`pop_freed` (its owner
-        frees it), and drop a release of it not yet reported; False if it was not held."""
+        frees it), and drop a release of it not yet reported; False if it was not held.
+        Its acks from now on are late, as after any release."""
+        self._tick(now)
         self._freed = [f for f in self._freed if f[0] != request_id]
-        return self._entries.pop(request_id, None) is not None
+        if self._entries.pop(request_id, None) is None:
+            return False
+        self._mark_released(request_id)
+        return True
+
+    def _tick(self, now: float | None) -> None:
+        """Advance the table's clock to a caller's ``now`` (it never goes back)."""
+        if now is not None:
+            self._clock = max(self._clock, now)
 
     def expire(self, now: float) -> list[str]:
         """Release every request whose lease ended at or before ``now``; return their ids."""
         out: list[str] = []
-        self._clock = max(self._clock, now)
+        self._tick(now)
         # forget early acks from the oldest on (dict order is about arrival order)
         while self._early:
             rid = next(iter(self._early))
@@ -238,6 +252,9 @@ class LeaseTable:
     def _release(self, request_id: str, reason: FreeReason) -> None:
         del self._entries[request_id]
         self._freed.append((request_id, reason))
+        self._mark_released(request_id)
+
+    def _mark_released(self, request_id: str) -> None:
         self._released.pop(request_id, None)  # re-inserted last: the dict stays time-ordered
         self._released[request_id] = self._clock
         while len(self._released) > MAX_EARLY_ACKS:

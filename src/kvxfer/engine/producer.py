@@ -266,7 +266,7 @@ class Producer:
             table.ack(msg.request_id, msg.consumer_rank,
                       max(1, msg.consumer_size // self._tp_size), now)  # fmt: skip
         else:
-            table.abort(msg.request_id)
+            table.abort(msg.request_id, now)
 
     def _bound_to(self, request_id: str, ticket: int, digest: bytes) -> bool:
         """Whether a ReadDone, Abort or LeaseRenew may act on ``request_id``'s hold: the
@@ -349,7 +349,7 @@ class Producer:
             for t in self._tables.values():
                 # not reported: a freed entry left behind would be taken for a new hold
                 # of the same id made before the engine thread collected it
-                t.forget(request_id)
+                t.forget(request_id, time.monotonic())
             return True
 
     def held_block_ids(self, request_id: str) -> frozenset[int] | None:

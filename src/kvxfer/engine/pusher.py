@@ -126,6 +126,8 @@ class PushWorker:
         self._closing = threading.Event()  # set by close(): consumer fetches end at once
         self._fetchers = ThreadSet()  # kvxfer-push-fetch threads, joined by close()
         self._peers: dict[str, ConsumerPeer] = {}
+        # address -> the incarnation a known consumer's announcement last refetched it for
+        self._refetched: dict[str, int] = {}
         self._fetching: dict[str, list[PushJob]] = {}  # address -> jobs waiting for its records
         self._writes: list[PushJob] = []
         self._lock = threading.Lock()  # cancel marks and the untold failures
@@ -238,6 +240,11 @@ class PushWorker:
             # (it restarted there); the fetch goes to its address, and _install keeps an
             # entry whose agents did not change, so a false announcement costs one fetch
             known = peer is not None and generation in (0, peer.generation)
+            if peer is not None and not known:  # one refetch per announced incarnation
+                known = self._refetched.get(address) == generation
+                self._refetched[address] = generation
+                while len(self._refetched) > MAX_CONSUMERS:
+                    del self._refetched[next(iter(self._refetched))]
             if not known and address not in self._fetching and len(self._fetching) < MAX_FETCHES:
                 self._start_fetch(address, [])
             return
