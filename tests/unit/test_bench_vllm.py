@@ -239,3 +239,18 @@ def test_timeline_splits_the_wait_around_first_contact() -> None:
     assert tl["ready_to_post"] == pytest.approx(0.040)
     assert tl["read_to_post_other"] == pytest.approx(0.0)
     assert tl["done_to_first_token"] == pytest.approx(0.070)
+
+
+def test_the_chart_has_series_only_for_connectors_that_ran() -> None:
+    """A run of some connectors drew empty series, and legend entries, for the others."""
+    from kvxfer.bench.vllm import chart_series
+
+    rows = [
+        {"connector": c, "kv_gib": g, "first_ttft_s": f, "warm_ttft_s": f / 2}
+        for c, g, f in [("kvxfer", 2, 0.2), ("nixl", 1, 0.5), ("kvxfer", 1, 0.1)]
+    ]
+    series = chart_series({"rows": rows})
+    assert [label for label, *_ in series] == ["nixl first", "nixl warm", "kvxfer first",
+                                               "kvxfer warm"]  # fmt: skip
+    assert series[2][2:] == ([1, 2], [0.1, 0.2])  # by size
+    assert series[3][2:] == ([1, 2], [0.05, 0.1])

@@ -274,6 +274,20 @@ def _signed_ms(seconds: float) -> str:
     return f"{seconds * 1e3:+.1f} ms"
 
 
+def chart_series(doc: dict[str, Any]) -> list[tuple[str, str, list[int], list[float]]]:
+    """``(label, style, KV GiB, TTFT s)`` per connector that ran and per kind (first,
+    warm), in the table's order: connectors not run get no legend entry."""
+    out = []
+    for c in _ORDER:
+        rows = sorted((r for r in doc["rows"] if r["connector"] == c), key=lambda r: r["kv_gib"])
+        if not rows:
+            continue
+        for k, style in (("first", "-o"), ("warm", "--s")):
+            xs, ys = [r["kv_gib"] for r in rows], [r[f"{k}_ttft_s"] for r in rows]
+            out.append((f"{c} {k}", style, xs, ys))
+    return out
+
+
 def save_png(path: str | Path, doc: dict[str, Any]) -> Path:
     """First and warm decode TTFT (log) vs KV pool size, both connectors."""
     import matplotlib
@@ -282,15 +296,11 @@ def save_png(path: str | Path, doc: dict[str, Any]) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for c in _ORDER:
-        rows = sorted((r for r in doc["rows"] if r["connector"] == c), key=lambda r: r["kv_gib"])
-        for k, style in (("first", "-o"), ("warm", "--s")):
-            ax.semilogy([r["kv_gib"] for r in rows], [r[f"{k}_ttft_s"] for r in rows], style,
-                        label=f"{c} {k}")  # fmt: skip
-    rows = sorted((r for r in doc["rows"] if r["connector"] == "nixl"), key=lambda r: r["kv_gib"])
-    ax.set_xticks([r["kv_gib"] for r in rows])
-    ax.set_xticklabels([f"{r['kv_gib']} GiB\n{r['nixl_descriptors_per_list'] / 1e3:.0f}k"
-                        for r in rows])  # fmt: skip
+    for label, style, xs, ys in chart_series(doc):
+        ax.semilogy(xs, ys, style, label=label)
+    sizes = {r["kv_gib"]: r["nixl_descriptors_per_list"] for r in doc["rows"]}
+    ax.set_xticks(sorted(sizes))
+    ax.set_xticklabels([f"{g} GiB\n{sizes[g] / 1e3:.0f}k" for g in sorted(sizes)])
     ax.set_title("vLLM P/D decode TTFT: first request to a new prefill vs warm")
     ax.set_xlabel("KV pool per instance / NixlConnector (layer, block) descriptors per list")
     ax.set_ylabel("decode TTFT (s)")
