@@ -85,6 +85,8 @@ class Inbox:
         written nor settled: ended ones too (FAILED by one rank's failure, a TIMEOUT),
         whose blocks stay quarantined until every rank settled."""
         with self._lock:
+            if not self._num_push:  # a pull-only consumer: nothing to scan each heartbeat
+                return ()
             return tuple(
                 a for a, t in self._live.items()
                 if t.op is XferOp.WRITE and 0 < t.posted_at < posted_before

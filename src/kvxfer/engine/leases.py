@@ -9,8 +9,10 @@ expired ones behind it. Every request is released exactly once.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
 
 from kvxfer.engine.config import check_seconds
 from kvxfer.errors import ConfigError
@@ -58,6 +60,20 @@ class _Entry:
 
 
 MAX_EARLY_ACKS = 4096  # acks remembered for requests not (yet) held
+
+_T = TypeVar("_T")
+
+
+def _drop_older(
+    table: dict[str, _T], stamp: Callable[[_T], float], now: float, keep_s: float
+) -> None:
+    """Drop ``table``'s entries stamped more than ``keep_s`` before ``now``, from the
+    first on, up to the first that is not (the table is kept in time order)."""
+    while table:
+        first = next(iter(table))
+        if now - stamp(table[first]) <= keep_s:
+            return
+        del table[first]
 
 
 class LeaseTable:
@@ -225,17 +241,9 @@ class LeaseTable:
         """Release every request whose lease ended at or before ``now``; return their ids."""
         out: list[str] = []
         self._tick(now)
-        # forget early acks from the oldest on (dict order is about arrival order)
-        while self._early:
-            rid = next(iter(self._early))
-            if now - self._early[rid][2] <= self.early_ack_s:
-                break
-            del self._early[rid]
-        while self._released:
-            rid = next(iter(self._released))
-            if now - self._released[rid] <= self.early_ack_s:
-                break
-            del self._released[rid]
+        # forget early acks and past releases from the oldest on (dict order is time order)
+        _drop_older(self._early, lambda acks: acks[2], now, self.early_ack_s)
+        _drop_older(self._released, lambda at: at, now, self.early_ack_s)
         while self._heap and self._heap[0][0] <= now:
             expires_at, _, rid = heapq.heappop(self._heap)
             entry = self._entries.get(rid)
